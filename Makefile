@@ -1,0 +1,36 @@
+# vllm-supervisor: `make run` serves the demo model, `make test` runs the default suite.
+# Both create the virtual environment on first use. GPU hosts (nvidia-smi answers) get the
+# CUDA vLLM wheel; everything else gets the CPU build.
+
+PYTHON ?= python3
+VENV   ?= .venv
+FLAVOR ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-$(FLAVOR)
+CONSTRAINTS := $(wildcard constraints/$(FLAVOR).txt)
+ARGS   ?=
+
+.PHONY: venv run test unit chaos bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml $(CONSTRAINTS)
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade --quiet pip
+	$(PY) -m pip install --quiet $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e ".[$(FLAVOR),test]"
+	@# The resolver pulls CUDA torchvision/torchaudio/torchcodec that break beside the CPU torch,
+	@# and supervisord's `supervisor` package (a vLLM extra's dependency) that shadows ours.
+	$(PY) -m pip uninstall --yes --quiet torchvision torchaudio torchcodec supervisor 2>/dev/null || true
+	@touch $@
+
+run: venv
+	$(VENV)/bin/vllm-supervisor run $(ARGS)
+
+test: venv
+	$(PY) -m pytest
+
+unit: venv
+	$(PY) -m pytest tests/unit
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,203 @@
+"""Typed settings for the daemon.
+
+Sources, lowest precedence first: built-in defaults < TOML file (``--config``) <
+``VLLM_SUPERVISOR_<SECTION>__<KEY>`` environment variables < CLI flags.
+
+This module must stay importable without Ray or vLLM: an invalid config has to be
+reported (and the process exit 78) before either is imported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from config.engine_args import reserved_engine_args, vllm_engine_arg_names
+
+ENV_PREFIX = "VLLM_SUPERVISOR_"
+EXIT_CONFIG = 78  # EX_CONFIG from sysexits.h: systemd shows it as "CONFIG".
+
+
+class ConfigError(Exception):
+    """An invalid configuration; ``str()`` is one readable line per problem."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class EngineSettings(_Section):
+    model: str = Field("", description="Model path or name; empty = the built-in demo model.")
+    served_model_name: str = Field("", description="Name clients use; defaults to the model's.")
+    tensor_parallel_size: int = Field(1, ge=1, le=1024)
+    pipeline_parallel_size: int = Field(1, ge=1, le=1024)
+    max_model_len: int = Field(256, ge=16)
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    enforce_eager: bool = True
+    seed: int = Field(0, ge=0)
+    kv_cache_space_gib: int = Field(
+        1, ge=1, description="CPU only: KV cache GiB per worker (VLLM_CPU_KVCACHE_SPACE)."
+    )
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    extra_args: dict[str, Any] = Field(
+        default_factory=dict, description="Other vLLM EngineArgs, passed through as is."
+    )
+
+    @field_validator("extra_args")
+    @classmethod
+    def _known_engine_args(cls, value: dict[str, Any]) -> dict[str, Any]:
+        reserved = reserved_engine_args()
+        known = vllm_engine_arg_names()
+        for key in value:
+            if key in reserved:
+                raise ValueError(f"'{key}' is managed by the supervisor; set it elsewhere")
+            if known and key not in known:
+                raise ValueError(f"'{key}' is not a vLLM engine argument")
+        return value
+
+
+class RaySettings(_Section):
+    address: str = Field("", description="Existing cluster ('auto', 'ray://…', 'host:port'); empty = start a local one.")
+    namespace: str = Field("vllm-supervisor", min_length=1)
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    placement_timeout_s: float = Field(60.0, gt=0)
+    num_cpus: int | None = Field(None, ge=1, description="Local cluster only: CPUs Ray may use.")
+    object_store_memory_mib: int = Field(256, ge=64, description="Local cluster only.")
+
+
+class ServerSettings(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    api_key: str = ""
+    max_body_bytes: int = Field(1 << 20, ge=1024)
+
+
+class SupervisorSettings(_Section):
+    data_dir: Path = Field(Path("~/.local/share/vllm-supervisor"), description="Demo model cache.")
+    engine_start_timeout_s: float = Field(600.0, gt=0)
+    drain_timeout_s: float = Field(30.0, ge=0)
+    max_restarts: int = Field(5, ge=0)
+    restart_window_s: float = Field(600.0, gt=0)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_format: Literal["auto", "json", "console"] = "auto"
+
+    @field_validator("data_dir")
+    @classmethod
+    def _expand(cls, value: Path) -> Path:
+        return value.expanduser()
+
+
+class Settings(_Section):
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    ray: RaySettings = Field(default_factory=RaySettings)
+    server: ServerSettings = Field(default_factory=ServerSettings)
+    supervisor: SupervisorSettings = Field(default_factory=SupervisorSettings)
+
+    def to_json(self) -> str:
+        return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True)
+
+
+# ---------------------------------------------------------------------------
+# Loading
+
+
+def _parse_scalar(text: str) -> Any:
+    """An env/CLI value: TOML syntax when it parses (numbers, booleans, inline tables), else a string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _set_dotted(target: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = target
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError([f"config error: {dotted}: '{part}' is not a section"])
+        node = child
+    node[leaf] = value
+
+
+def _merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
+    """``VLLM_SUPERVISOR_ENGINE__MODEL=x`` → ``{"engine": {"model": "x"}}``."""
+    out: dict[str, Any] = {}
+    for name, raw in environ.items():
+        if not name.startswith(ENV_PREFIX) or "__" not in name:
+            continue
+        dotted = name[len(ENV_PREFIX) :].lower().replace("__", ".")
+        _set_dotted(out, dotted, _parse_scalar(raw))
+    return out
+
+
+def _from_file(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError([f"config error: --config {path}: file not found"]) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError([f"config error: {path}: not valid TOML: {exc}"]) from None
+
+
+def _describe(error: dict[str, Any]) -> str:
+    key = ".".join(str(p) for p in error["loc"]) or "<root>"
+    rule = error["msg"].removeprefix("Value error, ")
+    if error["type"] == "extra_forbidden":
+        return f"config error: {key}: unknown key"
+    value = error.get("input")
+    if isinstance(value, (str, int, float, bool)):
+        return f"config error: {key} = {json.dumps(value)}: {rule}"
+    return f"config error: {key}: {rule}"
+
+
+def load_settings(
+    path: Path | str | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Settings:
+    """Resolve the settings from every source; raise ``ConfigError`` naming each bad key.
+
+    ``overrides`` are CLI values keyed by dotted name (``{"server.port": 9000}``).
+    """
+    data: dict[str, Any] = {}
+    if path:
+        data = _from_file(Path(path))
+    data = _merge(data, _from_env(os.environ if environ is None else environ))
+    cli: dict[str, Any] = {}
+    for dotted, value in (overrides or {}).items():
+        if value is not None:
+            _set_dotted(cli, dotted, value)
+    data = _merge(data, cli)
+    try:
+        return Settings.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError([_describe(e) for e in exc.errors()]) from None
+
+
+def parse_assignment(text: str) -> tuple[str, Any]:
+    """``engine.max_model_len=512`` (a ``--set`` flag) → ``("engine.max_model_len", 512)``."""
+    dotted, sep, raw = text.partition("=")
+    if not sep or not dotted.strip():
+        raise ConfigError([f"config error: --set {text!r}: expected SECTION.KEY=VALUE"])
+    return dotted.strip(), _parse_scalar(raw.strip())

@@ -1,0 +1,129 @@
+"""The Ray connection, the engine's placement group, and actor clean-up.
+
+Every function here blocks (they call Ray): the supervisor runs them in worker
+threads, never on its event loop.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import ray
+import tenacity
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+
+from config import RaySettings
+
+
+class PlacementGroupTimeout(RuntimeError):
+    """The placement group could not be placed before its deadline."""
+
+
+@dataclass
+class RayCluster:
+    """Owns this daemon's connection to Ray (and the local cluster when it started one)."""
+
+    settings: RaySettings
+    started_local: bool = False
+
+    def connect(self) -> str:
+        """Connect (or start a local cluster); returns the GCS address.
+
+        ``RAY_ADDRESS`` is exported so that vLLM's engine-core subprocess joins this
+        cluster instead of starting a second local one.
+        """
+        if ray.is_initialized():
+            return os.environ["RAY_ADDRESS"]
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        if self.settings.address:
+            ray.init(address=self.settings.address, namespace=self.settings.namespace, log_to_driver=False)
+        else:
+            ray.init(
+                namespace=self.settings.namespace,
+                num_cpus=self.settings.num_cpus,
+                include_dashboard=False,
+                object_store_memory=self.settings.object_store_memory_mib << 20,
+                log_to_driver=False,
+            )
+            self.started_local = True
+        address = ray.get_runtime_context().gcs_address
+        os.environ["RAY_ADDRESS"] = address
+        return address
+
+    def shutdown(self) -> None:
+        if ray.is_initialized():
+            ray.shutdown()
+
+    # --- placement group -----------------------------------------------------------
+
+    def create_placement_group(self, name: str, num_bundles: int, device: str) -> PlacementGroup:
+        """One bundle per worker ({"CPU": 1} or {"GPU": 1}); waits until it is placed.
+
+        Waiting retries with exponential backoff and jitter up to
+        ``placement_timeout_s``; on timeout the error names what is missing.
+        """
+        bundles = [{device: 1.0} for _ in range(num_bundles)]
+        pg = placement_group(bundles, strategy=self.settings.placement_strategy, name=name)
+
+        @tenacity.retry(
+            retry=tenacity.retry_if_result(lambda ready: not ready),
+            wait=tenacity.wait_exponential_jitter(initial=0.2, max=5.0),
+            stop=tenacity.stop_after_delay(self.settings.placement_timeout_s),
+            retry_error_callback=lambda state: False,
+        )
+        def wait_placed() -> bool:
+            return pg.wait(timeout_seconds=1)
+
+        if not wait_placed():
+            total = ray.cluster_resources().get(device, 0)
+            free = ray.available_resources().get(device, 0)
+            remove_placement_group(pg)
+            raise PlacementGroupTimeout(
+                f"placement group {name!r} needs {num_bundles} bundle(s) of {{{device}: 1}} "
+                f"({self.settings.placement_strategy}); cluster has {total:g} {device}, "
+                f"{free:g} free; not placed within {self.settings.placement_timeout_s:g} s"
+            )
+        return pg
+
+    @staticmethod
+    def placement_group_ready(pg: PlacementGroup) -> bool:
+        state = ray.util.placement_group_table(pg).get("state")
+        return state == "CREATED"
+
+    @staticmethod
+    def remove_placement_group(pg: PlacementGroup) -> None:
+        try:
+            remove_placement_group(pg)
+        except Exception:  # already removed, or the cluster is gone
+            pass
+
+    @staticmethod
+    def placement_groups_named(prefix: str) -> list[str]:
+        """Names of live (not REMOVED) placement groups whose name starts with ``prefix``."""
+        table = ray.util.placement_group_table()
+        return [
+            info["name"]
+            for info in table.values()
+            if info.get("name", "").startswith(prefix) and info.get("state") != "REMOVED"
+        ]
+
+    # --- actors --------------------------------------------------------------------
+
+    @staticmethod
+    def actors_named(substring: str) -> list[tuple[str, str]]:
+        """``(namespace, name)`` of live named actors whose name contains ``substring``."""
+        found = ray.util.list_named_actors(all_namespaces=True)
+        return [(a["namespace"], a["name"]) for a in found if substring in a["name"]]
+
+    @classmethod
+    def kill_actors_named(cls, substring: str) -> list[str]:
+        """Kill every live named actor whose name contains ``substring``; returns names."""
+        killed = []
+        for namespace, name in cls.actors_named(substring):
+            try:
+                ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
+                killed.append(name)
+            except ValueError:  # died meanwhile
+                pass
+        return killed

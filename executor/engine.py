@@ -1,0 +1,89 @@
+"""Building and tearing down vLLM's ``AsyncLLM`` on our placement group and executor.
+
+Blocking: the supervisor calls these from worker threads.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from config import EngineSettings
+from executor.events import ADDITIONAL_CONFIG_KEY
+
+
+@dataclass
+class EngineSpec:
+    """Everything needed to build one engine generation."""
+
+    settings: EngineSettings
+    model_path: str
+    served_model_name: str
+    generation: int
+    instance_id: str  # carried into the worker actor names
+    event_endpoint: str
+    placement_group: Any
+    dtype: str = "auto"
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+def is_cpu_platform() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def build_engine(spec: EngineSpec):
+    """Create the ``AsyncLLM`` (engine-core subprocess + Ray worker actors); blocks until up."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from executor.ray_v2 import SupervisedRayExecutor
+
+    s = spec.settings
+    cpu = is_cpu_platform()
+    if cpu:
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(s.kv_cache_space_gib)
+    os.environ.update(spec.extra_env)
+    kwargs: dict[str, Any] = dict(s.extra_args)
+    kwargs.update(
+        model=spec.model_path,
+        served_model_name=[spec.served_model_name],
+        tensor_parallel_size=s.tensor_parallel_size,
+        pipeline_parallel_size=s.pipeline_parallel_size,
+        max_model_len=s.max_model_len,
+        dtype=spec.dtype,
+        enforce_eager=s.enforce_eager,
+        seed=s.seed,
+        distributed_executor_backend=SupervisedRayExecutor,
+    )
+    if not cpu:
+        kwargs["gpu_memory_utilization"] = s.gpu_memory_utilization
+    engine_args = AsyncEngineArgs(**kwargs)
+    vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+    vllm_config.parallel_config.placement_group = spec.placement_group
+    vllm_config.instance_id = spec.instance_id
+    vllm_config.additional_config[ADDITIONAL_CONFIG_KEY] = {
+        "generation": spec.generation,
+        "event_endpoint": spec.event_endpoint,
+    }
+    return AsyncLLM.from_vllm_config(
+        vllm_config,
+        usage_context=UsageContext.OPENAI_API_SERVER,
+        disable_log_stats=False,
+    )
+
+
+def engine_core_pids(engine) -> list[int]:
+    """PIDs of the engine's engine-core process(es)."""
+    core = getattr(engine, "engine_core", None)
+    manager = getattr(getattr(core, "resources", None), "engine_manager", None)
+    procs = getattr(manager, "processes", None) or []
+    return [p.pid for p in procs if getattr(p, "pid", None)]
+
+
+def shutdown_engine(engine, timeout_s: float = 5.0) -> None:
+    """Shut the engine down without waiting for a dead engine core to exit by itself."""
+    engine.shutdown(timeout=timeout_s)

@@ -1,0 +1,165 @@
+"""``SupervisedRayExecutor``: vLLM's ``RayExecutorV2`` with CPU support and death events.
+
+Runs inside vLLM's engine-core process (the supervisor passes the class as the
+engine's ``distributed_executor_backend``). Differences from the parent, each
+contained here:
+
+* CPU platform: the platform's ``ray_device_key`` is ``""`` on CPU, so it is set to
+  ``"CPU"``; actors ask for ``num_gpus=0`` (the placement-group bundle already
+  reserves the core); the worker reports no accelerator ids. On CUDA nothing changes.
+* Worker death: the monitor thread's ``shutdown()`` is where the dead ranks are still
+  visible, so they are recorded there; the engine's failure callback is wrapped so
+  that a typed ``WorkerDeathEvent`` goes to the supervisor first, then the engine's
+  own callback runs (vLLM has one callback slot: we chain, never replace).
+* Shared memory: the response queues' ``/dev/shm`` rings are created by the workers,
+  which are stopped with ``ray.kill`` and never unlink them; ``shutdown()`` does.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+import ray
+import vllm.v1.executor.ray_executor_v2 as _v2
+from vllm.platforms import current_platform
+
+from executor.events import ADDITIONAL_CONFIG_KEY, WorkerDeathEvent, publish
+
+logger = logging.getLogger("vllm_supervisor.executor")
+
+_CAUSE_MAX_CHARS = 2000
+
+
+class SupervisedRayWorkerProc(_v2.RayWorkerProc):
+    """The worker actor. On CPU, Ray assigns no accelerator ids."""
+
+    def get_node_and_physical_gpu_ids(self) -> tuple[str, list[int]]:
+        if current_platform.is_cpu():
+            return ray.get_runtime_context().get_node_id(), []
+        return super().get_node_and_physical_gpu_ids()
+
+
+class SupervisedRayExecutor(_v2.RayExecutorV2):
+    """Ray V2 executor that reports worker deaths to the vllm-supervisor daemon."""
+
+    def _init_executor(self) -> None:
+        wiring = self.vllm_config.additional_config.get(ADDITIONAL_CONFIG_KEY, {})
+        self._generation = int(wiring.get("generation", 0))
+        self._event_endpoint = wiring.get("event_endpoint", "")
+        self._dead: list[tuple[int, str, str, str]] = []  # (rank, actor name, node id, cause)
+        # vLLM names the actors after instance_id while they are created; keep that value.
+        self._instance_id = self.vllm_config.instance_id
+        if current_platform.is_cpu():
+            current_platform.ray_device_key = "CPU"
+        # _init_executor instantiates the module-global class: swap ours in there.
+        _v2.RayWorkerProc = SupervisedRayWorkerProc
+        super()._init_executor()
+        logger.info(
+            "generation %d: %d Ray worker actor(s) up: %s",
+            self._generation,
+            len(self.ray_worker_handles),
+            self.actor_names(),
+        )
+
+    # --- CPU support -----------------------------------------------------------------
+
+    @staticmethod
+    def _get_actor_resource_kwargs() -> dict[str, Any]:
+        if current_platform.is_cpu():
+            return {"num_gpus": 0}
+        return _v2.RayExecutorV2._get_actor_resource_kwargs()
+
+    def _build_runtime_env(self) -> dict:
+        runtime_env = super()._build_runtime_env()
+        if current_platform.is_cpu():
+            # TP>1 on CPU otherwise spends ~25 s compiling a helper with inductor on the
+            # first request.
+            runtime_env.setdefault("env_vars", {}).setdefault("TORCH_COMPILE_DISABLE", "1")
+        return runtime_env
+
+    # --- names -----------------------------------------------------------------------
+
+    def actor_name(self, rank: int) -> str:
+        """The Ray actor name of ``rank`` (it carries the generation via ``instance_id``)."""
+        tp, pp, pcp = self._get_parallel_sizes()
+        return _v2.build_actor_name(self._instance_id, rank, tp, pp, pcp)
+
+    def actor_names(self) -> list[str]:
+        return [self.actor_name(h.rank) for h in getattr(self, "ray_worker_handles", [])]
+
+    # --- failure path ----------------------------------------------------------------
+
+    def register_failure_callback(self, callback) -> None:  # type: ignore[override]
+        def report_then_forward() -> None:
+            try:
+                self._report_death()
+            except Exception:  # the engine's own callback must run regardless
+                logger.exception("could not report worker death to the supervisor")
+            finally:
+                callback()
+
+        super().register_failure_callback(report_then_forward)
+
+    def shutdown(self) -> None:
+        # The monitor thread sets is_failed and then calls shutdown(), which kills the
+        # surviving actors: record which ranks were dead *before* that.
+        if getattr(self, "is_failed", False) and not getattr(self, "shutting_down", True):
+            if threading.current_thread().name == "RayWorkerMonitor":
+                self._dead = self._collect_dead_ranks()
+        rings = self._response_ring_names()
+        super().shutdown()
+        _unlink_shm(rings)
+
+    def _collect_dead_ranks(self) -> list[tuple[int, str, str, str]]:
+        handles = [h for h in getattr(self, "ray_worker_handles", []) if h.run_ref is not None]
+        if not handles:
+            return []
+        done, _ = ray.wait([h.run_ref for h in handles], num_returns=len(handles), timeout=0)
+        done_set = set(done)
+        dead = []
+        for h in handles:
+            if h.run_ref not in done_set:
+                continue
+            try:
+                ray.get(h.run_ref, timeout=0)
+                cause = "run() returned"
+            except Exception as exc:  # RayActorError carries Ray's death cause text
+                cause = f"{type(exc).__name__}: {exc}"[:_CAUSE_MAX_CHARS]
+            dead.append((h.rank, self.actor_name(h.rank), h.node_id, cause))
+        return dead
+
+    def _report_death(self) -> None:
+        if not self._event_endpoint:
+            return
+        dead = self._dead or [(-1, "", "", "executor failed (no dead rank identified)")]
+        event = WorkerDeathEvent(
+            generation=self._generation,
+            ranks=[d[0] for d in dead],
+            actor_names=[d[1] for d in dead],
+            node_ids=[d[2] for d in dead],
+            cause="; ".join(sorted({d[3] for d in dead})),
+        )
+        publish(self._event_endpoint, event)
+        logger.error("generation %d: worker rank(s) %s died; supervisor notified", self._generation, event.ranks)
+
+    def _response_ring_names(self) -> list[str]:
+        """``/dev/shm`` names of the rings the workers created for their replies."""
+        names = []
+        for mq in getattr(self, "response_mqs", None) or []:
+            buffer = getattr(mq, "buffer", None)
+            shm = getattr(buffer, "shared_memory", None)
+            if shm is not None:
+                names.append(shm.name)
+        return names
+
+
+def _unlink_shm(names: list[str]) -> None:
+    """Workers are stopped with ``ray.kill`` and never unlink what they created."""
+    for name in names:
+        try:
+            os.unlink(f"/dev/shm/{name.lstrip('/')}")
+        except FileNotFoundError:
+            pass

@@ -1,0 +1,59 @@
+"""``/dev/shm`` segments that a vLLM engine leaves behind.
+
+Workers are stopped with ``ray.kill`` and a dead engine core never runs its
+finalizers, so their shared-memory rings (``psm_*``) and the CPU communicator's
+``*cpushm*`` files stay. We attribute segments to an engine generation by what
+appeared while it was being built, and remove only those of ours that no live
+process still maps.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+SHM_DIR = Path("/dev/shm")
+_VLLM_SEGMENT = re.compile(r"^(psm_|wnsm_)|cpushm")
+
+
+def vllm_segments(shm_dir: Path = SHM_DIR) -> set[str]:
+    """Names of segments in ``shm_dir`` that look like vLLM's."""
+    try:
+        return {p.name for p in shm_dir.iterdir() if _VLLM_SEGMENT.search(p.name)}
+    except FileNotFoundError:
+        return set()
+
+
+def mapped_segments(shm_dir: Path = SHM_DIR) -> set[str]:
+    """Names of segments of ``shm_dir`` mapped by any process we can inspect."""
+    prefix = f"{shm_dir}/"
+    mapped: set[str] = set()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/maps", "rb") as fh:
+                for line in fh:
+                    idx = line.find(prefix.encode())
+                    if idx >= 0:
+                        path = line[idx:].split(b" (deleted)")[0].strip().decode(errors="replace")
+                        mapped.add(path[len(prefix) :])
+        except OSError:  # gone, or not ours to read
+            continue
+    return mapped
+
+
+def sweep(candidates: set[str], shm_dir: Path = SHM_DIR) -> list[str]:
+    """Unlink the candidates that still exist and no live process maps; returns them."""
+    if not candidates:
+        return []
+    in_use = mapped_segments(shm_dir)
+    removed = []
+    for name in sorted(candidates - in_use):
+        try:
+            (shm_dir / name).unlink()
+            removed.append(name)
+        except FileNotFoundError:
+            pass
+    return removed

@@ -1,0 +1,1 @@
+"""Liveness, readiness and (later) metrics and systemd notification."""

@@ -1,0 +1,1 @@
+"""The vllm-supervisor daemon: lifecycle, HTTP front and command line."""

@@ -1,0 +1,139 @@
+"""Config precedence (defaults < file < env < CLI) and every validation path."""
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from config import EXIT_CONFIG, ConfigError, load_settings, parse_assignment
+from config.engine_args import vllm_engine_arg_names
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "c.toml"
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_defaults_need_no_file():
+    s = load_settings(environ={})
+    assert s.engine.model == ""  # demo model
+    assert s.ray.address == ""  # local cluster
+    assert s.server.host == "127.0.0.1"
+
+
+def test_precedence_file_then_env_then_cli(tmp_path):
+    path = write(tmp_path, """
+        [server]
+        port = 9001
+        host = "0.0.0.0"
+        [engine]
+        max_model_len = 512
+    """)
+    env = {"VLLM_SUPERVISOR_SERVER__PORT": "9002", "VLLM_SUPERVISOR_ENGINE__MAX_MODEL_LEN": "300"}
+    s = load_settings(path, {"server.port": 9003}, environ=env)
+    assert s.server.port == 9003  # CLI beats env and file
+    assert s.engine.max_model_len == 300  # env beats file
+    assert s.server.host == "0.0.0.0"  # file beats default
+
+
+def test_env_values_are_typed():
+    s = load_settings(environ={"VLLM_SUPERVISOR_ENGINE__ENFORCE_EAGER": "false",
+                               "VLLM_SUPERVISOR_RAY__ADDRESS": "auto",
+                               "VLLM_SUPERVISOR_ENGINE__EXTRA_ARGS": "{ max_num_seqs = 8 }"})
+    assert s.engine.enforce_eager is False
+    assert s.ray.address == "auto"
+    assert s.engine.extra_args == {"max_num_seqs": 8}
+
+
+def test_unrelated_env_is_ignored():
+    s = load_settings(environ={"VLLM_SUPERVISOR_CONFIG": "x", "VLLM_CPU_KVCACHE_SPACE": "4"})
+    assert s.engine.kv_cache_space_gib == 1
+
+
+@pytest.mark.parametrize(
+    "overrides, key, rule",
+    [
+        ({"engine.tensor_parallel_size": 0}, "engine.tensor_parallel_size = 0", "greater than or equal to 1"),
+        ({"server.port": 70000}, "server.port = 70000", "less than or equal to 65535"),
+        ({"server.port": "http"}, 'server.port = "http"', "valid integer"),
+        ({"engine.dtype": "int3"}, 'engine.dtype = "int3"', "'auto', 'float32'"),
+        ({"ray.placement_strategy": "RANDOM"}, 'ray.placement_strategy = "RANDOM"', "PACK"),
+        ({"supervisor.max_restarts": -1}, "supervisor.max_restarts = -1", "greater than or equal to 0"),
+        ({"supervisor.restart_window_s": 0}, "supervisor.restart_window_s = 0", "greater than 0"),
+        ({"engine.max_model_len": 4}, "engine.max_model_len = 4", "greater than or equal to 16"),
+        ({"server.colour": "red"}, "server.colour", "unknown key"),
+        ({"nosuchsection.x": 1}, "nosuchsection", "unknown key"),
+        ({"engine.extra_args": {"no_such_arg": 1}}, "engine.extra_args", "'no_such_arg' is not a vLLM engine argument"),
+        ({"engine.extra_args": {"tensor_parallel_size": 2}}, "engine.extra_args", "managed by the supervisor"),
+    ],
+)
+def test_invalid_values_name_key_value_and_rule(overrides, key, rule):
+    with pytest.raises(ConfigError) as info:
+        load_settings(None, overrides, environ={})
+    (line,) = info.value.problems
+    assert line.startswith(f"config error: {key}")
+    assert rule in line
+
+
+def test_every_problem_is_reported_once(tmp_path):
+    path = write(tmp_path, """
+        [engine]
+        tensor_parallel_size = 0
+        [server]
+        port = -1
+    """)
+    with pytest.raises(ConfigError) as info:
+        load_settings(path, environ={})
+    assert len(info.value.problems) == 2
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="file not found"):
+        load_settings(tmp_path / "nope.toml", environ={})
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[engine\nmodel = 1")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_settings(bad, environ={})
+
+
+def test_bad_env_value_names_the_key():
+    with pytest.raises(ConfigError, match="server.port"):
+        load_settings(environ={"VLLM_SUPERVISOR_SERVER__PORT": "eighty"})
+
+
+def test_set_assignment_parsing():
+    assert parse_assignment("engine.max_model_len=512") == ("engine.max_model_len", 512)
+    assert parse_assignment("ray.address=10.0.0.1:6379") == ("ray.address", "10.0.0.1:6379")
+    with pytest.raises(ConfigError, match="SECTION.KEY=VALUE"):
+        parse_assignment("no-equals-sign")
+
+
+def test_engine_arg_names_come_from_installed_vllm():
+    names = vllm_engine_arg_names()
+    assert {"max_num_seqs", "swap_space", "enable_prefix_caching"} & names
+
+
+def run_cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "supervisor", *args], capture_output=True, text=True, timeout=60, env=env)
+
+
+def test_cli_check_config_prints_resolved(tmp_path):
+    path = write(tmp_path, "[server]\nport = 9100\n")
+    out = run_cli("check-config", str(path), "--host", "127.0.0.2")
+    assert out.returncode == 0, out.stderr
+    assert '"port": 9100' in out.stdout and '"host": "127.0.0.2"' in out.stdout
+
+
+def test_cli_invalid_config_exits_78_before_ray_or_vllm(tmp_path):
+    path = write(tmp_path, "[engine]\ntensor_parallel_size = 0\n")
+    code = (
+        "import sys; from supervisor.cli import main; rc = main(['run', '--config', sys.argv[1]]);"
+        "bad = [m for m in ('ray', 'vllm', 'torch') if m in sys.modules]; print('IMPORTED', bad); sys.exit(rc)"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == EXIT_CONFIG
+    assert out.stderr.strip() == "config error: engine.tensor_parallel_size = 0: Input should be greater than or equal to 1"
+    assert "IMPORTED []" in out.stdout
