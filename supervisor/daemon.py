@@ -156,10 +156,17 @@ class Supervisor:
         """Thread-unsafe enqueue; from other threads use ``loop.call_soon_threadsafe``."""
         self._events.put_nowait(event)
 
-    async def run(self) -> int:
+    def _install_signal_handlers(self) -> None:
+        """Signals only enqueue. Re-run after ``ray.init``: Ray's core worker installs
+        absl's failure handler over SIGTERM, which aborts the process."""
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)
             loop.add_signal_handler(signum, self.post, SignalReceived(signum))
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        self._install_signal_handlers()
         listener = self._spawn(self._listen_for_worker_deaths())
         try:
             self._spawn(self._start_first_engine())
@@ -230,6 +237,7 @@ class Supervisor:
         try:
             await asyncio.to_thread(self._prepare_model)
             self._cluster = await asyncio.to_thread(self._connect_ray)
+            self._install_signal_handlers()
             self._placement_group = await asyncio.to_thread(self._create_placement_group)
             gen = await asyncio.to_thread(self._build_generation, self.next_generation)
         except Exception as exc:

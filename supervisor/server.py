@@ -106,6 +106,8 @@ def build_app(sup: Supervisor) -> FastAPI:
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first["loc"])
             raise ApiError(400, f"{where}: {first['msg']}", param=where or None) from None
+        except Exception as exc:  # vLLM's own validators raise VLLMValidationError (not a ValueError)
+            raise ApiError(400, str(exc), param=getattr(exc, "parameter", None)) from None
 
     def check_auth(request: Request) -> None:
         key = sup.settings.server.api_key

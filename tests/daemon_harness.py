@@ -1,0 +1,181 @@
+"""Run the real daemon as a user would (``vllm-supervisor run --config FILE``) and check
+what it leaves behind. Shared by the integration and chaos tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+BIN = Path(sys.executable).parent
+SHM = Path("/dev/shm")
+MARKER_ENV = "VLLM_SUPERVISOR_TEST_MARKER"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + " }"
+    return json.dumps(str(value))
+
+
+def write_toml(path: Path, config: dict[str, dict[str, Any]]) -> Path:
+    lines = []
+    for section, values in config.items():
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {toml_value(v)}" for k, v in values.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def shm_segments() -> set[str]:
+    return {p.name for p in SHM.iterdir() if p.name.startswith(("psm_", "sem.mp-")) or "cpushm" in p.name}
+
+
+def marked_pids(marker: str) -> list[int]:
+    """PIDs of live processes whose environment carries ``marker`` (the daemon's descendants)."""
+    needle = f"{MARKER_ENV}={marker}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as fh:
+                if needle in fh.read().split(b"\0"):
+                    with open(f"/proc/{entry}/stat", "rb") as st:
+                        if st.read().split(b")")[-1].split()[0] != b"Z":
+                            found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+class Daemon:
+    """One daemon subprocess, its config, its log and its leftovers."""
+
+    def __init__(self, workdir: Path, config: dict[str, dict[str, Any]], env: dict[str, str] | None = None):
+        self.workdir = workdir
+        self.port = free_port()
+        self.marker = uuid.uuid4().hex
+        config = {k: dict(v) for k, v in config.items()}
+        config.setdefault("server", {}).update(port=self.port, host="127.0.0.1")
+        config.setdefault("supervisor", {}).setdefault("data_dir", str(data_dir()))
+        self.config_path = write_toml(workdir / "daemon.toml", config)
+        self.log_path = workdir / "daemon.log"
+        self.env = dict(os.environ, **(env or {}), **{MARKER_ENV: self.marker})
+        self.env.pop("NOTIFY_SOCKET", None)
+        self.proc: subprocess.Popen | None = None
+        self.shm_before: set[str] = set()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "Daemon":
+        self.shm_before = shm_segments()
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [str(BIN / "vllm-supervisor"), "run", "--config", str(self.config_path)],
+            stdout=self._log, stderr=subprocess.STDOUT, env=self.env, cwd=self.workdir,
+        )
+        return self
+
+    def get(self, path: str, **kw) -> httpx.Response:
+        return httpx.get(self.base_url + path, timeout=kw.pop("timeout", 30), **kw)
+
+    def post(self, path: str, **kw) -> httpx.Response:
+        return httpx.post(self.base_url + path, timeout=kw.pop("timeout", 120), **kw)
+
+    def wait_ready(self, timeout_s: float = 300) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"daemon exited with {self.proc.returncode} before ready:\n{self.tail()}")
+            try:
+                r = self.get("/readyz", timeout=2)
+                if r.status_code == 200:
+                    return r.json()
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise AssertionError(f"daemon not ready within {timeout_s} s:\n{self.tail()}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 90) -> tuple[int, float]:
+        """Send ``sig``; return (exit code, seconds to exit)."""
+        started = time.monotonic()
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            code = self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"daemon did not exit within {timeout_s} s of {sig}:\n{self.tail()}")
+        return code, time.monotonic() - started
+
+    def kill(self) -> None:
+        """Last-resort clean-up for a failed test: kill the daemon and all its descendants."""
+        for pid in [self.proc.pid, *marked_pids(self.marker)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(10)
+
+    def log_lines(self) -> list[dict]:
+        out = []
+        for line in self.log_path.read_text(errors="replace").splitlines():
+            if line.startswith("{"):
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    pass
+        return out
+
+    def tail(self, n: int = 60) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def assert_nothing_left(self, settle_s: float = 15) -> None:
+        """No descendant processes and no new shared-memory segments remain."""
+        deadline = time.monotonic() + settle_s
+        while True:
+            pids = marked_pids(self.marker)
+            shm = shm_segments() - self.shm_before
+            if not pids and not shm:
+                return
+            if time.monotonic() > deadline:
+                cmds = {}
+                for pid in pids:
+                    try:
+                        cmds[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:120]
+                    except OSError:
+                        pass
+                raise AssertionError(f"left behind: processes {cmds}, /dev/shm {sorted(shm)}")
+            time.sleep(0.5)
+
+
+def data_dir() -> Path:
+    """Demo model cache shared by every test daemon of this run."""
+    path = Path(os.environ.get("VLLM_SUPERVISOR_TEST_DATA", "/tmp/vllm-supervisor-test-data"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def demo_model_path() -> Path:
+    from supervisor.demo_model import build_demo_model
+
+    return build_demo_model(data_dir())
