@@ -179,3 +179,42 @@ def demo_model_path() -> Path:
     from supervisor.demo_model import build_demo_model
 
     return build_demo_model(data_dir())
+
+
+class RayHead:
+    """A private Ray head node (``ray start --head``), as on a real cluster; stopped by marker."""
+
+    def __init__(self, num_cpus: int = 2):
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.marker = uuid.uuid4().hex
+        self.env = dict(os.environ, RAY_AUTH_MODE="token", RAY_USAGE_STATS_ENABLED="0", **{MARKER_ENV: self.marker})
+        self.num_cpus = num_cpus
+
+    def start(self) -> "RayHead":
+        subprocess.run(
+            [str(BIN / "ray"), "start", "--head", f"--port={self.port}", "--node-ip-address=127.0.0.1",
+             f"--num-cpus={self.num_cpus}", "--include-dashboard=false", "--disable-usage-stats",
+             "--object-store-memory=268435456"],
+            env=self.env, check=True, capture_output=True, timeout=120,
+        )
+        return self
+
+    def tool(self, *args: str) -> dict:
+        """Run ``python -m chaos.ray_tools`` against this cluster; parse its JSON."""
+        out = subprocess.run(
+            [sys.executable, "-m", "chaos.ray_tools", "--address", self.address, *args],
+            env=self.env, capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent.parent,
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    def stop(self) -> None:
+        for pid in marked_pids(self.marker):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 20
+        while marked_pids(self.marker) and time.monotonic() < deadline:
+            time.sleep(0.2)

@@ -1,0 +1,64 @@
+"""TP=2 (two worker actors) on an existing Ray cluster, like a real deployment: serve,
+stop with SIGTERM, and check the cluster holds no placement group or actor of ours."""
+
+from __future__ import annotations
+
+import signal
+
+import openai
+import pytest
+
+from tests.daemon_harness import Daemon, RayHead
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def ray_head():
+    head = RayHead(num_cpus=2).start()
+    try:
+        yield head
+    finally:
+        head.stop()
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory, ray_head):
+    config = {"engine": {"tensor_parallel_size": 2}, "ray": {"address": ray_head.address}}
+    d = Daemon(tmp_path_factory.mktemp("tp2"), config, env={"RAY_AUTH_MODE": "token"}).start()
+    try:
+        d.wait_ready()
+        yield d
+    finally:
+        if d.proc.poll() is None:
+            d.kill()
+
+
+def test_two_worker_actors_named_with_the_generation(daemon, ray_head):
+    seen = ray_head.tool("inspect")
+    workers = sorted(a["name"] for a in seen["actors"] if a["name"].startswith("vllm_Worker_"))
+    assert len(workers) == 2, seen
+    assert all("-g1_TP" in name for name in workers), workers
+    assert [pg["state"] for pg in seen["placement_groups"]] == ["CREATED"]
+
+
+def test_serves_greedy_completions_deterministically(daemon):
+    client = openai.OpenAI(base_url=daemon.base_url + "/v1", api_key="unused", max_retries=0)
+
+    def run():
+        return client.completions.create(model="demo-tiny-llama", prompt="Two workers", max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
+
+    first, second = run(), run()
+    assert first.usage.completion_tokens == 20
+    assert first.choices[0].text == second.choices[0].text
+    stream = client.chat.completions.create(model="demo-tiny-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=5, stream=True)
+    assert len([c for c in stream if c.choices and c.choices[0].delta.content]) >= 1
+
+
+def test_sigterm_leaves_no_placement_group_actor_process_or_shm(daemon, ray_head):
+    code, took = daemon.stop(signal.SIGTERM)
+    assert code == 0, daemon.tail()
+    assert took < 60
+    daemon.assert_nothing_left()
+    seen = ray_head.tool("inspect")
+    assert seen == {"placement_groups": [], "actors": []}
