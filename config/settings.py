@@ -83,10 +83,24 @@ class ServerSettings(_Section):
 
 class SupervisorSettings(_Section):
     data_dir: Path = Field(Path("~/.local/share/vllm-supervisor"), description="Demo model cache.")
-    engine_start_timeout_s: float = Field(600.0, gt=0)
-    drain_timeout_s: float = Field(30.0, ge=0)
+    drain_timeout_s: float = Field(30.0, ge=0, description="SIGTERM: how long in-flight requests may finish.")
+    # Restart intensity (Erlang/OTP): more than max_restarts recoveries in restart_window_s => FAILED.
     max_restarts: int = Field(5, ge=0)
     restart_window_s: float = Field(600.0, gt=0)
+    restart_backoff_initial_s: float = Field(0.5, ge=0, description="First retry delay after a failed engine build.")
+    restart_backoff_max_s: float = Field(15.0, ge=0)
+    # Admission while not READY: new requests wait in a bounded queue up to a deadline, then 503.
+    admission_queue_size: int = Field(64, ge=0)
+    admission_timeout_s: float = Field(120.0, ge=0)
+    # Continuation: a parked request is re-submitted at most this many times.
+    continuation_limit: int = Field(3, ge=0)
+    recovery_timeout_s: float = Field(600.0, gt=0, description="How long parked requests wait for a new engine.")
+    # Hang detection: a probe every probe_interval_s; a failure is a canary that takes longer than
+    # probe_timeout_s (idle), or no token for hang_timeout_s while requests are in flight.
+    probe_interval_s: float = Field(2.0, gt=0)
+    probe_timeout_s: float = Field(10.0, gt=0)
+    hang_timeout_s: float = Field(30.0, gt=0)
+    probe_failure_threshold: int = Field(2, ge=1)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["auto", "json", "console"] = "auto"
 

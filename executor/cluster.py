@@ -40,6 +40,7 @@ class RayCluster:
             ray.init(address=self.settings.address, namespace=self.settings.namespace, log_to_driver=False)
         else:
             ray.init(
+                address="local",  # never attach to another cluster found on this machine
                 namespace=self.settings.namespace,
                 num_cpus=self.settings.num_cpus,
                 include_dashboard=False,

@@ -1,20 +1,24 @@
 """The supervisor: one owner task, one state machine, every failure source as one event.
 
 Invariants:
-* only the owner task (``Supervisor.run``) changes ``self.machine`` and ``self.current``;
-* signal handlers and the executor's death events only enqueue;
+* only the owner task (``Supervisor.run`` and the handlers it awaits) changes
+  ``self.machine``, ``self.current`` and ``self._building``;
+* signal handlers, the executor's death events, failing requests and the probe only
+  enqueue events (``post``);
 * everything that blocks on Ray or builds an engine runs in a worker thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import os
 import shutil
 import signal
 import tempfile
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator
@@ -25,13 +29,14 @@ import zmq.asyncio
 from config import Settings
 from executor.events import WorkerDeathEvent
 from supervisor import logs
+from supervisor.continuation import NotContinuable, continuation_params
+from supervisor.policy import RestartIntensity, backoff_s
 from supervisor.states import State, StateMachine
 
 log = logs.get_logger("vllm_supervisor.daemon")
 
 EXIT_OK = 0
-EXIT_FAILED = 3  # documented: restart budget exhausted / engine could not start
-
+EXIT_FAILED = 3  # documented: restart budget exhausted, or the first engine could not start
 
 # --- events for the owner task ---------------------------------------------------------
 
@@ -42,19 +47,20 @@ class SignalReceived:
 
 
 @dataclass(frozen=True)
-class EngineBuilt:
-    generation: "Generation"
+class EngineFailed:
+    """Any failure source: worker death, engine dead, probe failure."""
+
+    generation: int
+    reason: str  # worker_death | engine_dead | hang | build_failed
+    detail: str
+    detected_monotonic: float = field(default_factory=time.monotonic)
+    kill_workers: bool = False  # a hang: kill the stuck workers before tearing down
 
 
 @dataclass(frozen=True)
-class EngineBuildFailed:
-    number: int
-    error: str
-
-
-@dataclass(frozen=True)
-class WorkerDied:
-    event: WorkerDeathEvent
+class RecoveryFinished:
+    ok: bool
+    detail: str = ""
 
 
 @dataclass(frozen=True)
@@ -62,7 +68,7 @@ class StopFinished:
     pass
 
 
-Event = SignalReceived | EngineBuilt | EngineBuildFailed | WorkerDied | StopFinished
+Event = SignalReceived | EngineFailed | RecoveryFinished | StopFinished
 
 
 @dataclass
@@ -74,24 +80,39 @@ class Generation:
     engine: Any  # vllm.v1.engine.async_llm.AsyncLLM
     shm_before: set[str]
     build_s: float
-    core_pids: list[int] = field(default_factory=list)
+    pumps: dict[asyncio.Task, float] = field(default_factory=dict)  # request stream -> start time
+    failed: bool = False
 
 
 class EngineUnavailable(Exception):
-    """No engine can take the request now (the HTTP layer answers 503 + Retry-After)."""
+    """No engine can take the request now (HTTP 503 + Retry-After)."""
 
     def __init__(self, reason: str, retry_after_s: int = 5):
         super().__init__(reason)
         self.retry_after_s = retry_after_s
 
 
+class RequestFailed(Exception):
+    """A request that was in flight cannot be finished; the client should retry it."""
+
+
+class _Interrupted(Exception):
+    """The request's engine generation was declared failed while it was running."""
+
+
+_END = object()
+
+
 class Supervisor:
     def __init__(self, settings: Settings):
         self.settings = settings
+        self.cfg = settings.supervisor
         self.machine = StateMachine()
-        self.machine.on_transition.append(self._log_transition)
+        self.machine.on_transition.append(self._on_transition)
         self.daemon_id = f"vsup{os.getpid()}x{uuid.uuid4().hex[:6]}"
         self.current: Generation | None = None
+        self._building: int | None = None  # generation number being built
+        self._doomed: set[int] = set()  # generations that failed while being built
         self.next_generation = 1
         self.started_monotonic = time.monotonic()
         self.exit_code = EXIT_OK
@@ -99,21 +120,29 @@ class Supervisor:
         self.served_model_name = ""
         self.tokenizer: Any = None
         self.in_flight = 0
+        self.waiting_new = 0  # new requests queued for admission
+        self.parked = 0  # in-flight requests waiting for the next generation
+        self.last_output_monotonic = time.monotonic()
+        self.last_probe_s: float | None = None
+        self.last_probe_ok_wall: float | None = None
+        self.intensity = RestartIntensity(self.cfg.max_restarts, self.cfg.restart_window_s)
+        self.restarts: Counter[str] = Counter()
+        self.outcomes: Counter[str] = Counter()
+        self.recoveries: list[dict[str, Any]] = []
         self._idle = asyncio.Event()
         self._idle.set()
         self._ready = asyncio.Event()
+        self._changed = asyncio.Event()  # pulsed on every transition
         self._events: asyncio.Queue[Event] = asyncio.Queue()
         self._cluster: Any = None
         self._placement_group: Any = None
+        self._shm_before_build: set[str] = set()
+        self._recovery: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
-        self.runtime_dir = Path(
-            os.environ.get("RUNTIME_DIRECTORY") or tempfile.mkdtemp(prefix="vllm-supervisor-")
-        )
+        self.runtime_dir = Path(os.environ.get("RUNTIME_DIRECTORY") or tempfile.mkdtemp(prefix="vllm-supervisor-"))
         self._own_runtime_dir = "RUNTIME_DIRECTORY" not in os.environ
         self.event_endpoint = f"ipc://{self.runtime_dir}/events-{os.getpid()}.sock"
-        logs.set_context_provider(
-            lambda: {"state": self.machine.state.value, "generation": self.generation_number}
-        )
+        logs.set_context_provider(lambda: {"state": self.machine.state.value, "generation": self.generation_number})
 
     # --- read-only views (any task) -------------------------------------------------
 
@@ -125,35 +154,129 @@ class Supervisor:
     def generation_number(self) -> int:
         return self.current.number if self.current else 0
 
-    @property
-    def placement_group_prefix(self) -> str:
-        return f"{self.daemon_id}-pg"
-
     # --- requests (called from HTTP handlers) ----------------------------------------
 
-    async def generate(
-        self, prompt_token_ids: list[int], params: Any, request_id: str
-    ) -> AsyncIterator[Any]:
-        """Stream ``RequestOutput`` deltas for one request from the current engine."""
-        if self.state is not State.READY or self.current is None:
-            raise EngineUnavailable(f"daemon is {self.state.value}: {self.machine.reason}")
-        engine = self.current.engine
+    async def generate(self, prompt_token_ids: list[int], params: Any, request_id: str) -> AsyncIterator[Any]:
+        """Stream ``RequestOutput`` deltas; across a recovery the stream continues on the
+        next engine with prompt + delivered tokens (see ``supervisor.continuation``)."""
+        pristine = copy.deepcopy(params)
+        delivered: list[int] = []
+        attempt = 0
         self.in_flight += 1
         self._idle.clear()
         try:
-            async for output in engine.generate(
-                {"prompt_token_ids": prompt_token_ids}, params, request_id
-            ):
-                yield output
+            while True:
+                gen = await self._admit(parked=attempt > 0)
+                try:
+                    sub = params if attempt == 0 else continuation_params(pristine, len(delivered))
+                except NotContinuable as exc:
+                    self.outcomes["failed"] += 1
+                    raise RequestFailed(f"request interrupted by an engine failure and cannot be continued exactly ({exc}); retry it") from None
+                rid = request_id if attempt == 0 else f"{request_id}-c{attempt}"
+                try:
+                    async for out in self._pump(gen, {"prompt_token_ids": prompt_token_ids + delivered}, sub, rid):
+                        delivered += out.outputs[0].token_ids
+                        yield out
+                    self.outcomes["continued" if attempt else "ok"] += 1
+                    return
+                except _Interrupted:
+                    pass
+                except Exception as exc:
+                    if not _is_engine_death(exc, gen):
+                        raise
+                    self.post(EngineFailed(gen.number, "engine_dead", f"{type(exc).__name__}: {exc}"))
+                attempt += 1
+                if attempt > self.cfg.continuation_limit:
+                    self.outcomes["failed"] += 1
+                    raise RequestFailed(f"request interrupted {attempt} times by engine failures (limit {self.cfg.continuation_limit}); retry it")
+                log.info("request parked", request_id=request_id, delivered_tokens=len(delivered), attempt=attempt)
         finally:
             self.in_flight -= 1
             if self.in_flight == 0:
                 self._idle.set()
 
+    async def _pump(self, gen: Generation, prompt: Any, params: Any, request_id: str) -> AsyncIterator[Any]:
+        """Run the engine's stream in a task of its own, so a recovery can interrupt it
+        (a hung engine never raises by itself)."""
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+
+        async def pump() -> None:
+            try:
+                async for out in gen.engine.generate(prompt, params, request_id):
+                    self.last_output_monotonic = time.monotonic()
+                    queue.put_nowait(out)
+                queue.put_nowait(_END)
+            except asyncio.CancelledError:
+                queue.put_nowait(_Interrupted())
+                raise
+            except BaseException as exc:
+                queue.put_nowait(exc)
+
+        task = asyncio.create_task(pump())
+        gen.pumps[task] = time.monotonic()
+        try:
+            if gen.failed:
+                task.cancel()
+            while True:
+                item = await queue.get()
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            gen.pumps.pop(task, None)
+            if not task.done():
+                task.cancel()
+
+    async def _admit(self, parked: bool) -> Generation:
+        """The current engine once READY. New requests wait in a bounded queue up to
+        ``admission_timeout_s``; parked ones wait up to ``recovery_timeout_s``."""
+        if self.state is State.READY and self.current is not None and not self.current.failed:
+            return self.current
+        if self.state.terminal or self.state is State.STOPPING:
+            if parked:
+                self.outcomes["failed"] += 1
+                raise RequestFailed(f"daemon is {self.state.value} ({self.machine.reason}); retry the request elsewhere")
+            self.outcomes["rejected"] += 1
+            raise EngineUnavailable(f"daemon is {self.state.value}: {self.machine.reason}", retry_after_s=30)
+        if not parked and self.waiting_new >= self.cfg.admission_queue_size:
+            self.outcomes["rejected"] += 1
+            raise EngineUnavailable(f"daemon is {self.state.value} and its admission queue is full ({self.cfg.admission_queue_size})")
+        timeout = self.cfg.recovery_timeout_s if parked else self.cfg.admission_timeout_s
+        deadline = time.monotonic() + timeout
+        if parked:
+            self.parked += 1
+        else:
+            self.waiting_new += 1
+        try:
+            while True:
+                if self.state is State.READY and self.current is not None and not self.current.failed:
+                    return self.current
+                if self.state.terminal or self.state is State.STOPPING:
+                    return await self._admit(parked)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    if parked:
+                        self.outcomes["failed"] += 1
+                        raise RequestFailed(f"no engine within {timeout:g} s ({self.machine.reason}); retry the request")
+                    self.outcomes["rejected"] += 1
+                    raise EngineUnavailable(f"daemon is {self.state.value} ({self.machine.reason}); no engine within {timeout:g} s")
+                self._changed.clear()
+                try:
+                    await asyncio.wait_for(self._changed.wait(), left)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            if parked:
+                self.parked -= 1
+            else:
+                self.waiting_new -= 1
+
     # --- the owner task ---------------------------------------------------------------
 
     def post(self, event: Event) -> None:
-        """Thread-unsafe enqueue; from other threads use ``loop.call_soon_threadsafe``."""
+        """Enqueue for the owner task (from the event loop's thread only)."""
         self._events.put_nowait(event)
 
     def _install_signal_handlers(self) -> None:
@@ -167,9 +290,9 @@ class Supervisor:
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         self._install_signal_handlers()
-        listener = self._spawn(self._listen_for_worker_deaths())
+        background = [self._spawn(self._listen_for_worker_deaths()), self._spawn(self._probe_loop())]
         try:
-            self._spawn(self._start_first_engine())
+            self._recovery = self._spawn(self._start())
             while not self.state.terminal:
                 event = await self._events.get()
                 try:
@@ -179,72 +302,142 @@ class Supervisor:
         finally:
             for signum in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(signum)
-            listener.cancel()
+            for task in background:
+                task.cancel()
             if self._own_runtime_dir:
                 shutil.rmtree(self.runtime_dir, ignore_errors=True)
         return self.exit_code
 
     async def _handle(self, event: Event) -> None:
         if isinstance(event, SignalReceived):
-            await self._on_stop_signal(event.signum)
-        elif isinstance(event, EngineBuilt):
-            await self._on_engine_built(event.generation)
-        elif isinstance(event, EngineBuildFailed):
-            self.exit_code = EXIT_FAILED
-            log.error("engine could not start", error=event.error, engine_generation=event.number)
-            self._begin_stop(State.FAILED, f"engine generation {event.number} failed to start")
-        elif isinstance(event, WorkerDied):
-            await self._on_worker_died(event.event)
+            if self.state is State.STOPPING:
+                log.info("stop already in progress", signal=signal.Signals(event.signum).name)
+            else:
+                self._begin_stop(f"{signal.Signals(event.signum).name} received")
+        elif isinstance(event, EngineFailed):
+            self._on_engine_failed(event)
+        elif isinstance(event, RecoveryFinished):
+            self._recovery = None
+            if not event.ok and self.state is not State.STOPPING:
+                self.exit_code = EXIT_FAILED
+                self._begin_stop(event.detail)
         elif isinstance(event, StopFinished):
-            self.machine.transition(
-                State.STOPPED if self.exit_code == EXIT_OK else State.FAILED,
-                "stopped" if self.exit_code == EXIT_OK else self.machine.reason,
-            )
+            if self.exit_code == EXIT_OK:
+                self.machine.transition(State.STOPPED, "stopped")
+            else:
+                self.machine.transition(State.FAILED, self.machine.reason)
 
-    async def _on_stop_signal(self, signum: int) -> None:
-        if self.state in (State.STOPPING, State.FAILED):
-            log.info("stop already in progress", signal=signal.Signals(signum).name)
+    def _on_engine_failed(self, event: EngineFailed) -> None:
+        if event.generation == self._building:
+            log.error("engine failed while starting", failed_generation=event.generation, cause=event.reason, detail=event.detail)
+            self._doomed.add(event.generation)
             return
-        self._begin_stop(State.STOPPING, f"{signal.Signals(signum).name} received")
-
-    async def _on_engine_built(self, gen: Generation) -> None:
+        gen = self.current
+        if gen is None or event.generation != gen.number or gen.failed:
+            log.info("ignoring failure of a retired generation", failed_generation=event.generation, cause=event.reason)
+            return
         if self.state is State.STOPPING:
-            await asyncio.to_thread(self._teardown_generation, gen)
             return
-        self.current = gen
-        if self.tokenizer is None:
-            self.tokenizer = gen.engine.get_tokenizer()
-        self.machine.transition(State.READY, f"engine generation {gen.number} up in {gen.build_s:.1f} s")
-        self._ready.set()
+        gen.failed = True
+        log.error("engine failed", cause=event.reason, detail=event.detail[:500],
+                  detect_ms=round((time.monotonic() - event.detected_monotonic) * 1000, 1))
+        self.machine.transition(State.RECOVERING, f"{event.reason}: {event.detail[:200]}")
+        for task in list(gen.pumps):  # park every in-flight request
+            task.cancel()
+        self._recovery = self._spawn(self._recover(gen, event))
 
-    async def _on_worker_died(self, event: WorkerDeathEvent) -> None:
-        if self.current is None or event.generation != self.current.number:
-            log.info("ignoring death event of an old generation", dead_generation=event.generation)
-            return
-        log.error(
-            "worker died",
-            ranks=event.ranks,
-            actors=event.actor_names,
-            cause=event.cause,
-            detect_ms=round((time.monotonic() - event.detected_monotonic) * 1000, 1),
-        )
-        self.exit_code = EXIT_FAILED
-        self._begin_stop(State.FAILED, f"worker rank(s) {event.ranks} died")
+    # --- starting and recovering --------------------------------------------------------
 
-    # --- starting -----------------------------------------------------------------
-
-    async def _start_first_engine(self) -> None:
+    async def _start(self) -> None:
         try:
             await asyncio.to_thread(self._prepare_model)
             self._cluster = await asyncio.to_thread(self._connect_ray)
             self._install_signal_handlers()
-            self._placement_group = await asyncio.to_thread(self._create_placement_group)
-            gen = await asyncio.to_thread(self._build_generation, self.next_generation)
         except Exception as exc:
             log.exception("first start failed")
-            self.post(EngineBuildFailed(self.next_generation, f"{type(exc).__name__}: {exc}"))
+            self.post(RecoveryFinished(False, f"could not start: {type(exc).__name__}: {exc}"))
             return
-        self.post(EngineBuilt(gen))
+        ok, detail = await self._bring_up(first=True)
+        self.post(RecoveryFinished(ok, detail))
+
+    async def _recover(self, old: Generation, event: EngineFailed) -> None:
+        started = time.monotonic()
+        phases: dict[str, float] = {"detect": max(0.0, started - event.detected_monotonic)}
+        record: dict[str, Any] = {"reason": event.reason, "detail": event.detail[:300], "from_generation": old.number,
+                                  "detected_monotonic": event.detected_monotonic, "phases_s": phases}
+        self.restarts[event.reason] += 1
+        try:
+            t = time.monotonic()
+            if event.kill_workers:
+                await asyncio.to_thread(self._kill_actors, old.instance_id)
+            await self._drain_pumps(old)
+            phases["drain"] = time.monotonic() - t
+            t = time.monotonic()
+            await asyncio.to_thread(self._teardown_generation, old)
+            self.current = None
+            phases["teardown"] = time.monotonic() - t
+            ok, detail = await self._bring_up(first=False, phases=phases)
+        except Exception as exc:
+            log.exception("recovery failed")
+            ok, detail = False, f"recovery failed: {type(exc).__name__}: {exc}"
+        record.update(ok=ok, total_s=time.monotonic() - started, to_generation=self.generation_number)
+        self.recoveries.append(record)
+        log.info("recovery finished", ok=ok, **{f"{k}_s": round(v, 3) for k, v in phases.items()},
+                 total_s=round(record["total_s"], 3))
+        self.post(RecoveryFinished(ok, detail))
+
+    async def _bring_up(self, first: bool, phases: dict[str, float] | None = None) -> tuple[bool, str]:
+        """Place the workers and build engines until one is up, the restart budget is
+        spent, or a stop is requested. Returns (ok, detail)."""
+        phases = phases if phases is not None else {}
+        attempt = 0
+        while True:
+            if self.state is State.STOPPING:
+                return True, "stopping"
+            if not first or attempt > 0:
+                if not self.intensity.record():
+                    return False, (f"restart intensity exceeded: more than {self.cfg.max_restarts} restarts "
+                                   f"in {self.cfg.restart_window_s:g} s")
+            delay = backoff_s(attempt, self.cfg.restart_backoff_initial_s, self.cfg.restart_backoff_max_s)
+            if delay:
+                await asyncio.sleep(delay)
+            attempt += 1
+            number = self.next_generation
+            self.next_generation += 1
+            self._building = number
+            try:
+                t = time.monotonic()
+                await asyncio.to_thread(self._ensure_placement_group)
+                phases["placement_group"] = time.monotonic() - t
+                t = time.monotonic()
+                gen = await asyncio.to_thread(self._build_generation, number)
+                phases["engine_start"] = time.monotonic() - t
+            except Exception as exc:
+                self._building = None
+                self.restarts["build_failed"] += 1
+                log.error("engine build failed", failed_generation=number, error=f"{type(exc).__name__}: {exc}"[:500])
+                await asyncio.to_thread(self._cleanup_failed_build, number)
+                continue
+            self._building = None
+            if number in self._doomed or self.state is State.STOPPING:
+                self._doomed.discard(number)
+                await asyncio.to_thread(self._teardown_generation, gen)
+                if self.state is State.STOPPING:
+                    return True, "stopping"
+                self.restarts["build_failed"] += 1
+                continue
+            self.current = gen
+            if self.tokenizer is None:
+                self.tokenizer = gen.engine.get_tokenizer()
+            verb = "up" if first and attempt == 1 else "recovered"
+            self.machine.transition(State.READY, f"engine generation {number} {verb} in {gen.build_s:.1f} s")
+            return True, ""
+
+    async def _drain_pumps(self, gen: Generation, timeout_s: float = 5.0) -> None:
+        """Wait (bounded) until every request stream of ``gen`` has let go of it."""
+        deadline = time.monotonic() + timeout_s
+        while gen.pumps and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
 
     def _prepare_model(self) -> None:
         engine = self.settings.engine
@@ -255,13 +448,10 @@ class Supervisor:
         from supervisor.demo_model import build_demo_model
 
         started = time.monotonic()
-        self.model_path = str(build_demo_model(self.settings.supervisor.data_dir))
+        self.model_path = str(build_demo_model(self.cfg.data_dir))
         self.served_model_name = engine.served_model_name or "demo-tiny-llama"
-        log.warning(
-            "no model configured: serving the built-in demo model; its outputs are random noise",
-            model_path=self.model_path,
-            build_s=round(time.monotonic() - started, 2),
-        )
+        log.warning("no model configured: serving the built-in demo model; its outputs are random noise",
+                    model_path=self.model_path, build_s=round(time.monotonic() - started, 2))
 
     def _connect_ray(self) -> Any:
         from executor.cluster import RayCluster
@@ -275,85 +465,93 @@ class Supervisor:
         e = self.settings.engine
         return e.tensor_parallel_size * e.pipeline_parallel_size
 
-    def _create_placement_group(self) -> Any:
+    def _ensure_placement_group(self) -> None:
+        """Reuse the placement group while all its bundles are placed, else re-create it."""
         from executor.engine import is_cpu_platform
 
+        if self._placement_group is not None:
+            if self._cluster.placement_group_ready(self._placement_group):
+                return
+            log.warning("placement group lost bundles; re-creating it")
+            self._cluster.remove_placement_group(self._placement_group)
+            self._placement_group = None
         device = "CPU" if is_cpu_platform() else "GPU"
         started = time.monotonic()
-        pg = self._cluster.create_placement_group(
-            f"{self.placement_group_prefix}", self._world_size(), device
-        )
-        log.info(
-            "placement group ready",
-            bundles=self._world_size(),
-            device=device,
-            took_s=round(time.monotonic() - started, 3),
-        )
-        return pg
+        self._placement_group = self._cluster.create_placement_group(f"{self.daemon_id}-pg", self._world_size(), device)
+        log.info("placement group ready", bundles=self._world_size(), device=device, took_s=round(time.monotonic() - started, 3))
 
     def _dtype(self) -> str:
-        """The demo model is float32 (greedy output must not depend on batch layout)."""
+        """The demo model runs in float32 (greedy output must not depend on batch layout)."""
         dtype = self.settings.engine.dtype
         if dtype == "auto" and not self.settings.engine.model:
             return "float32"
         return dtype
 
+    def _instance_id(self, number: int) -> str:
+        return f"{self.daemon_id}-g{number}"
+
     def _build_generation(self, number: int) -> Generation:
-        from executor.engine import EngineSpec, build_engine, engine_core_pids
+        from executor.engine import EngineSpec, build_engine
         from executor.shm import vllm_segments
 
-        self.next_generation = number + 1
-        instance_id = f"{self.daemon_id}-g{number}"
+        instance_id = self._instance_id(number)
         shm_before = vllm_segments()
         started = time.monotonic()
         log.info("building engine", engine_generation=number, instance_id=instance_id)
-        engine = build_engine(
-            EngineSpec(
-                settings=self.settings.engine,
-                model_path=self.model_path,
-                served_model_name=self.served_model_name,
-                generation=number,
-                instance_id=instance_id,
-                event_endpoint=self.event_endpoint,
-                placement_group=self._placement_group,
-                dtype=self._dtype(),
-            )
-        )
+        self._shm_before_build = shm_before
+        engine = build_engine(EngineSpec(
+            settings=self.settings.engine, model_path=self.model_path, served_model_name=self.served_model_name,
+            generation=number, instance_id=instance_id, event_endpoint=self.event_endpoint,
+            placement_group=self._placement_group, dtype=self._dtype(),
+        ))
         build_s = time.monotonic() - started
         log.info("engine up", engine_generation=number, build_s=round(build_s, 2))
-        return Generation(number, instance_id, engine, shm_before, build_s, engine_core_pids(engine))
+        return Generation(number, instance_id, engine, shm_before, build_s)
+
+    def _cleanup_failed_build(self, number: int) -> None:
+        """A build that raised may have left actors and rings; unmapped rings only are removed."""
+        from executor.shm import sweep, vllm_segments
+
+        self._kill_actors(self._instance_id(number))
+        sweep(vllm_segments() - self._shm_before_build)
 
     # --- stopping -----------------------------------------------------------------
 
-    def _begin_stop(self, to: State, reason: str) -> None:
+    def _begin_stop(self, reason: str) -> None:
         """Stop admitting at once; drain, tear down and report ``StopFinished``."""
-        if to is State.FAILED:
-            # FAILED is terminal for the machine: clean up first, then enter it.
-            self.machine.reason = reason
-            if self.state is not State.STOPPING:
-                self.machine.transition(State.STOPPING, reason)
-        else:
-            self.machine.transition(State.STOPPING, reason)
-        self._ready.clear()
+        self.machine.transition(State.STOPPING, reason)
         self._spawn(self._stop())
 
     async def _stop(self) -> None:
         try:
-            if self.exit_code == EXIT_OK and self.in_flight:
-                timeout = self.settings.supervisor.drain_timeout_s
+            if self.in_flight and self.exit_code == EXIT_OK and self.current is not None:
+                timeout = self.cfg.drain_timeout_s
                 log.info("draining", in_flight=self.in_flight, timeout_s=timeout)
                 try:
                     await asyncio.wait_for(self._idle.wait(), timeout)
                 except asyncio.TimeoutError:
                     log.warning("drain deadline passed", in_flight=self.in_flight)
+            if self._recovery is not None:  # let an engine build in progress finish, then drop it
+                await asyncio.wait({self._recovery}, timeout=self.cfg.recovery_timeout_s)
             gen, self.current = self.current, None
             if gen is not None:
+                for task in list(gen.pumps):
+                    task.cancel()
                 await asyncio.to_thread(self._teardown_generation, gen)
             await asyncio.to_thread(self._release_cluster)
         except Exception:
             log.exception("error while stopping")
         finally:
             self.post(StopFinished())
+
+    def _kill_actors(self, instance_id: str) -> list[str]:
+        if self._cluster is None:
+            return []
+        try:
+            return self._cluster.kill_actors_named(f"_{instance_id}")
+        except Exception as exc:
+            log.warning("could not list/kill actors", error=str(exc))
+            return []
 
     def _teardown_generation(self, gen: Generation) -> None:
         from executor.engine import shutdown_engine
@@ -364,23 +562,17 @@ class Supervisor:
             shutdown_engine(gen.engine)
         except Exception:
             log.exception("engine shutdown raised", engine_generation=gen.number)
-        killed = self._cluster.kill_actors_named(gen.instance_id) if self._cluster else []
+        killed = self._kill_actors(gen.instance_id)
         # Killed workers may take a moment to exit and unmap their rings.
         removed: list[str] = []
         deadline = time.monotonic() + 10.0
         while True:
-            leftover = vllm_segments() - gen.shm_before
-            removed += sweep(leftover)
+            removed += sweep(vllm_segments() - gen.shm_before)
             if not (vllm_segments() - gen.shm_before) or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
-        log.info(
-            "engine torn down",
-            engine_generation=gen.number,
-            leftover_actors_killed=killed,
-            shm_removed=removed,
-            took_s=round(time.monotonic() - started, 2),
-        )
+        log.info("engine torn down", engine_generation=gen.number, leftover_actors_killed=killed,
+                 shm_removed=removed, took_s=round(time.monotonic() - started, 2))
 
     def _release_cluster(self) -> None:
         if self._cluster is None:
@@ -402,11 +594,69 @@ class Supervisor:
             while True:
                 raw = await sock.recv()
                 try:
-                    self.post(WorkerDied(WorkerDeathEvent.from_json(raw)))
+                    ev = WorkerDeathEvent.from_json(raw)
                 except (ValueError, TypeError) as exc:
                     log.warning("malformed executor event", error=str(exc))
+                    continue
+                detail = f"rank(s) {ev.ranks} ({', '.join(ev.actor_names)}): {ev.cause}"
+                self.post(EngineFailed(ev.generation, "worker_death", detail, ev.detected_monotonic))
         finally:
             sock.close(linger=0)
+
+    async def _probe_loop(self) -> None:
+        """Engine reported dead, or hung: no token for ``hang_timeout_s`` while busy, or a
+        one-token canary slower than ``probe_timeout_s`` while idle. ``probe_failure_threshold``
+        consecutive failures make one ``EngineFailed``."""
+        failures = 0
+        while True:
+            await asyncio.sleep(self.cfg.probe_interval_s)
+            gen = self.current
+            if self.state is not State.READY or gen is None or gen.failed:
+                failures = 0
+                continue
+            try:
+                problem = await self._probe(gen)
+            except Exception as exc:
+                problem = f"probe error: {type(exc).__name__}: {exc}"
+            if problem is None:
+                failures = 0
+                continue
+            if problem.startswith("dead:"):
+                self.post(EngineFailed(gen.number, "engine_dead", problem))
+                continue
+            failures += 1
+            log.warning("probe failed", problem=problem, consecutive=failures)
+            if failures >= self.cfg.probe_failure_threshold and gen is self.current and not gen.failed:
+                failures = 0
+                self.post(EngineFailed(gen.number, "hang", problem, kill_workers=True))
+
+    async def _probe(self, gen: Generation) -> str | None:
+        if gen.engine.errored:
+            return "dead: engine reported errored"
+        now = time.monotonic()
+        if gen.pumps:
+            # Hung: nothing came out since the later of the last output and the oldest
+            # running stream's start (new arrivals cannot hide a hang).
+            stalled = now - max(self.last_output_monotonic, min(gen.pumps.values()))
+            if stalled > self.cfg.hang_timeout_s:
+                return f"no token for {stalled:.1f} s with {len(gen.pumps)} stream(s) running"
+            return None
+        if now - self.last_output_monotonic < self.cfg.probe_interval_s:
+            return None
+        from vllm import SamplingParams
+
+        started = time.monotonic()
+        try:
+            async with asyncio.timeout(self.cfg.probe_timeout_s):
+                async for _ in self._pump(gen, {"prompt_token_ids": [0]}, SamplingParams(max_tokens=1, temperature=0), f"probe-{uuid.uuid4().hex[:8]}"):
+                    pass
+        except TimeoutError:
+            return f"canary generation took longer than {self.cfg.probe_timeout_s:g} s"
+        except _Interrupted:
+            return None
+        self.last_probe_s = time.monotonic() - started
+        self.last_probe_ok_wall = time.time()
+        return None
 
     # --- helpers ------------------------------------------------------------------
 
@@ -416,8 +666,13 @@ class Supervisor:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    def _log_transition(self, old: State, new: State, reason: str) -> None:
+    def _on_transition(self, old: State, new: State, reason: str) -> None:
         log.info("state transition", from_state=old.value, to_state=new.value, reason=reason)
+        if new is State.READY:
+            self._ready.set()
+        else:
+            self._ready.clear()
+        self._changed.set()
 
     def status(self) -> dict[str, Any]:
         return {
@@ -425,6 +680,18 @@ class Supervisor:
             "reason": self.machine.reason,
             "generation": self.generation_number,
             "in_flight": self.in_flight,
+            "parked": self.parked,
+            "admission_queue": self.waiting_new,
             "uptime_s": round(time.monotonic() - self.started_monotonic, 1),
             "model": self.served_model_name,
+            "restarts": dict(self.restarts),
+            "requests": dict(self.outcomes),
+            "recoveries": self.recoveries[-5:],
         }
+
+
+def _is_engine_death(exc: BaseException, gen: Generation) -> bool:
+    """An error that means the engine (not the request) failed."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    return isinstance(exc, EngineDeadError) or gen.engine.errored

@@ -44,7 +44,7 @@ from vllm.entrypoints.serve.engine.protocol import (
 from vllm.sampling_params import RequestOutputKind
 
 from supervisor import logs
-from supervisor.daemon import EngineUnavailable, Supervisor
+from supervisor.daemon import EngineUnavailable, RequestFailed, Supervisor
 from supervisor.states import State
 
 log = logs.get_logger("vllm_supervisor.http")
@@ -210,7 +210,7 @@ def build_app(sup: Supervisor) -> FastAPI:
                     if include_usage:
                         usage = UsageInfo(prompt_tokens=len(prompt_ids), completion_tokens=n, total_tokens=len(prompt_ids) + n)
                         yield _sse(CompletionStreamResponse(id=request_id, created=created, model=model, choices=[], usage=usage))
-                except EngineUnavailable as exc:
+                except (EngineUnavailable, RequestFailed) as exc:
                     yield f"data: {json.dumps(_stream_error(exc))}\n\n"
                 yield "data: [DONE]\n\n"
                 log.info("request done", request_id=request_id, completion_tokens=n)
@@ -265,7 +265,7 @@ def build_app(sup: Supervisor) -> FastAPI:
                     if include_usage:
                         usage = UsageInfo(prompt_tokens=len(prompt_ids), completion_tokens=n, total_tokens=len(prompt_ids) + n)
                         yield _sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=[], usage=usage))
-                except EngineUnavailable as exc:
+                except (EngineUnavailable, RequestFailed) as exc:
                     yield f"data: {json.dumps(_stream_error(exc))}\n\n"
                 yield "data: [DONE]\n\n"
                 log.info("request done", request_id=request_id, completion_tokens=n)
@@ -284,6 +284,10 @@ def build_app(sup: Supervisor) -> FastAPI:
     @app.exception_handler(EngineUnavailable)
     async def _unavailable(_request: Request, exc: EngineUnavailable) -> JSONResponse:
         return error_response(503, str(exc), "service_unavailable", headers={"Retry-After": str(exc.retry_after_s)})
+
+    @app.exception_handler(RequestFailed)
+    async def _failed(_request: Request, exc: RequestFailed) -> JSONResponse:
+        return error_response(503, str(exc), "engine_failure", headers={"Retry-After": "5"})
 
     # --- health ---------------------------------------------------------------------
 
@@ -317,4 +321,6 @@ def _plain_message(message: Any) -> dict[str, Any]:
 
 
 def _stream_error(exc: Exception) -> dict[str, Any]:
-    return ErrorResponse(error=ErrorInfo(message=str(exc), type="service_unavailable", code=503)).model_dump()
+    """A stream that already sent 200 ends with an error event (the client should retry)."""
+    kind = "engine_failure" if isinstance(exc, RequestFailed) else "service_unavailable"
+    return ErrorResponse(error=ErrorInfo(message=str(exc), type=kind, code=503)).model_dump()

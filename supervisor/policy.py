@@ -1,0 +1,40 @@
+"""Restart intensity (as in Erlang/OTP) and retry backoff. Pure logic, no I/O."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+@dataclass
+class RestartIntensity:
+    """More than ``max_restarts`` restarts within ``window_s`` means: give up (FAILED)."""
+
+    max_restarts: int
+    window_s: float
+    clock: Callable[[], float] = time.monotonic
+    _times: deque[float] = field(default_factory=deque)
+
+    def record(self) -> bool:
+        """Count one restart now; return False when the budget is exhausted."""
+        now = self.clock()
+        self._times.append(now)
+        while self._times and now - self._times[0] > self.window_s:
+            self._times.popleft()
+        return len(self._times) <= self.max_restarts
+
+    @property
+    def recent(self) -> int:
+        now = self.clock()
+        return sum(1 for t in self._times if now - t <= self.window_s)
+
+
+def backoff_s(attempt: int, initial_s: float, max_s: float, rng: random.Random | None = None) -> float:
+    """Exponential backoff with full jitter: uniform in [0, min(max, initial * 2**attempt)]."""
+    if attempt <= 0 or initial_s <= 0:
+        return 0.0
+    ceiling = min(max_s, initial_s * (2 ** (attempt - 1)))
+    return (rng or random).uniform(ceiling / 2, ceiling)
