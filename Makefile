@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed-$(FLAVOR)
 CONSTRAINTS := $(wildcard constraints/$(FLAVOR).txt)
 ARGS   ?=
 
-.PHONY: venv run test unit chaos bench clean
+.PHONY: venv run test unit chaos clean
 
 venv: $(STAMP)
 
@@ -31,6 +31,13 @@ test: venv
 
 unit: venv
 	$(PY) -m pytest tests/unit
+
+# Seeded randomized soak: FAULTS faults under streaming load; report in reports/chaos-report.{md,json}.
+FAULTS ?= 20
+SEED   ?= 7
+TP     ?= 2
+chaos: venv
+	$(PY) -m chaos.soak --faults $(FAULTS) --seed $(SEED) --tp $(TP) --out reports
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

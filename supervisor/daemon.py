@@ -28,6 +28,7 @@ import zmq.asyncio
 
 from config import Settings
 from executor.events import WorkerDeathEvent
+from health.notify import SystemdNotifier
 from supervisor import logs
 from supervisor.continuation import NotContinuable, continuation_params
 from supervisor.policy import RestartIntensity, backoff_s
@@ -71,6 +72,10 @@ class StopFinished:
 Event = SignalReceived | EngineFailed | RecoveryFinished | StopFinished
 
 
+class _Interrupted(Exception):
+    """The request's engine generation was declared failed while it was running."""
+
+
 @dataclass
 class Generation:
     """One engine and what it owns."""
@@ -80,8 +85,16 @@ class Generation:
     engine: Any  # vllm.v1.engine.async_llm.AsyncLLM
     shm_before: set[str]
     build_s: float
-    pumps: dict[asyncio.Task, float] = field(default_factory=dict)  # request stream -> start time
+    # request stream task -> (start time, its output queue)
+    pumps: dict[asyncio.Task, tuple[float, asyncio.Queue]] = field(default_factory=dict)
     failed: bool = False
+
+    def interrupt_streams(self) -> None:
+        """Park every request of this generation now. The consumer is told directly: a
+        cancelled ``AsyncLLM.generate`` awaits an abort that a dead engine never answers."""
+        for task, (_start, queue) in list(self.pumps.items()):
+            queue.put_nowait(_Interrupted())
+            task.cancel()
 
 
 class EngineUnavailable(Exception):
@@ -96,10 +109,6 @@ class RequestFailed(Exception):
     """A request that was in flight cannot be finished; the client should retry it."""
 
 
-class _Interrupted(Exception):
-    """The request's engine generation was declared failed while it was running."""
-
-
 _END = object()
 
 
@@ -109,6 +118,8 @@ class Supervisor:
         self.cfg = settings.supervisor
         self.machine = StateMachine()
         self.machine.on_transition.append(self._on_transition)
+        self.notifier = SystemdNotifier()
+        self._announced_ready = False
         self.daemon_id = f"vsup{os.getpid()}x{uuid.uuid4().hex[:6]}"
         self.current: Generation | None = None
         self._building: int | None = None  # generation number being built
@@ -212,11 +223,11 @@ class Supervisor:
             except BaseException as exc:
                 queue.put_nowait(exc)
 
+        if gen.failed:
+            raise _Interrupted()
         task = asyncio.create_task(pump())
-        gen.pumps[task] = time.monotonic()
+        gen.pumps[task] = (time.monotonic(), queue)
         try:
-            if gen.failed:
-                task.cancel()
             while True:
                 item = await queue.get()
                 if item is _END:
@@ -290,7 +301,8 @@ class Supervisor:
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         self._install_signal_handlers()
-        background = [self._spawn(self._listen_for_worker_deaths()), self._spawn(self._probe_loop())]
+        background = [self._spawn(self._listen_for_worker_deaths()), self._spawn(self._probe_loop()),
+                      self._spawn(self._systemd_loop())]
         try:
             self._recovery = self._spawn(self._start())
             while not self.state.terminal:
@@ -342,8 +354,7 @@ class Supervisor:
         log.error("engine failed", cause=event.reason, detail=event.detail[:500],
                   detect_ms=round((time.monotonic() - event.detected_monotonic) * 1000, 1))
         self.machine.transition(State.RECOVERING, f"{event.reason}: {event.detail[:200]}")
-        for task in list(gen.pumps):  # park every in-flight request
-            task.cancel()
+        gen.interrupt_streams()  # park every in-flight request
         self._recovery = self._spawn(self._recover(gen, event))
 
     # --- starting and recovering --------------------------------------------------------
@@ -380,7 +391,8 @@ class Supervisor:
         except Exception as exc:
             log.exception("recovery failed")
             ok, detail = False, f"recovery failed: {type(exc).__name__}: {exc}"
-        record.update(ok=ok, total_s=time.monotonic() - started, to_generation=self.generation_number)
+        record.update(ok=ok, total_s=time.monotonic() - started, to_generation=self.generation_number,
+                      ready_monotonic=time.monotonic())
         self.recoveries.append(record)
         log.info("recovery finished", ok=ok, **{f"{k}_s": round(v, 3) for k, v in phases.items()},
                  total_s=round(record["total_s"], 3))
@@ -535,8 +547,7 @@ class Supervisor:
                 await asyncio.wait({self._recovery}, timeout=self.cfg.recovery_timeout_s)
             gen, self.current = self.current, None
             if gen is not None:
-                for task in list(gen.pumps):
-                    task.cancel()
+                gen.interrupt_streams()
                 await asyncio.to_thread(self._teardown_generation, gen)
             await asyncio.to_thread(self._release_cluster)
         except Exception:
@@ -559,7 +570,8 @@ class Supervisor:
 
         started = time.monotonic()
         try:
-            shutdown_engine(gen.engine)
+            # A failed engine core is not waited for: 1 s to exit on SIGTERM, then SIGKILL.
+            shutdown_engine(gen.engine, timeout_s=1.0 if gen.failed else 5.0)
         except Exception:
             log.exception("engine shutdown raised", engine_generation=gen.number)
         killed = self._kill_actors(gen.instance_id)
@@ -637,7 +649,7 @@ class Supervisor:
         if gen.pumps:
             # Hung: nothing came out since the later of the last output and the oldest
             # running stream's start (new arrivals cannot hide a hang).
-            stalled = now - max(self.last_output_monotonic, min(gen.pumps.values()))
+            stalled = now - max(self.last_output_monotonic, min(start for start, _ in gen.pumps.values()))
             if stalled > self.cfg.hang_timeout_s:
                 return f"no token for {stalled:.1f} s with {len(gen.pumps)} stream(s) running"
             return None
@@ -658,6 +670,23 @@ class Supervisor:
         self.last_probe_ok_wall = time.time()
         return None
 
+    async def _systemd_loop(self) -> None:
+        """WATCHDOG=1 every WATCHDOG_USEC/2 from the event loop itself (a stuck loop stops
+        them) and only while not FAILED; EXTEND_TIMEOUT_USEC while the first engine starts."""
+        if not self.notifier.enabled:
+            return
+        interval = self.notifier.watchdog_interval_s
+        tick = min(interval, 10.0) if interval else 10.0
+        last_ping = 0.0
+        while True:
+            if self.state is State.STARTING:
+                self.notifier.extend_timeout(3 * tick)
+            now = time.monotonic()
+            if interval and now - last_ping >= interval and self.state is not State.FAILED:
+                self.notifier.watchdog()
+                last_ping = now
+            await asyncio.sleep(tick)
+
     # --- helpers ------------------------------------------------------------------
 
     def _spawn(self, coro: Any) -> asyncio.Task:
@@ -668,6 +697,14 @@ class Supervisor:
 
     def _on_transition(self, old: State, new: State, reason: str) -> None:
         log.info("state transition", from_state=old.value, to_state=new.value, reason=reason)
+        text = f"{new.value} (generation {self.generation_number}): {reason[:200]}"
+        if new is State.READY and not self._announced_ready:
+            self._announced_ready = True
+            self.notifier.ready(text)
+        elif new is State.STOPPING:
+            self.notifier.stopping(text)
+        else:
+            self.notifier.status(text)
         if new is State.READY:
             self._ready.set()
         else:

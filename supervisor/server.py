@@ -196,6 +196,7 @@ def build_app(sup: Supervisor) -> FastAPI:
         model = sup.served_model_name
         created = int(time.time())
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        want_ids = bool(req.return_token_ids)
         log.info("request", request_id=request_id, prompt_tokens=len(prompt_ids), max_tokens=max_tokens, stream=bool(req.stream))
         first, outputs = await first_then_rest(stream_outputs(prompt_ids, params, request_id))
 
@@ -205,7 +206,7 @@ def build_app(sup: Supervisor) -> FastAPI:
                 try:
                     async for text, ids, finish in outputs:
                         n += len(ids)
-                        choice = CompletionResponseStreamChoice(index=0, text=text, finish_reason=finish)
+                        choice = CompletionResponseStreamChoice(index=0, text=text, finish_reason=finish, token_ids=ids if want_ids else None)
                         yield _sse(CompletionStreamResponse(id=request_id, created=created, model=model, choices=[choice]))
                     if include_usage:
                         usage = UsageInfo(prompt_tokens=len(prompt_ids), completion_tokens=n, total_tokens=len(prompt_ids) + n)
@@ -222,7 +223,7 @@ def build_app(sup: Supervisor) -> FastAPI:
             text, finish = text + t, f or finish
             ids += i
         usage = UsageInfo(prompt_tokens=len(prompt_ids), completion_tokens=len(ids), total_tokens=len(prompt_ids) + len(ids))
-        choice = CompletionResponseChoice(index=0, text=text, finish_reason=finish)
+        choice = CompletionResponseChoice(index=0, text=text, finish_reason=finish, token_ids=ids if want_ids else None)
         log.info("request done", request_id=request_id, completion_tokens=len(ids))
         return JSONResponse(CompletionResponse(id=request_id, created=created, model=model, choices=[choice], usage=usage).model_dump(exclude_none=True))
 

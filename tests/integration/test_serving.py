@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.daemon_harness import Daemon, demo_model_path
+from chaos.harness import Daemon, demo_model_path
 
 pytestmark = pytest.mark.integration
 

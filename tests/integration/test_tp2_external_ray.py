@@ -8,7 +8,7 @@ import signal
 import openai
 import pytest
 
-from tests.daemon_harness import Daemon, RayHead
+from chaos.harness import Daemon, RayHead
 
 pytestmark = pytest.mark.integration
 

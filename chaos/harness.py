@@ -201,9 +201,9 @@ class RayHead:
         return self
 
     def tool(self, *args: str) -> dict:
-        """Run ``python -m chaos.ray_tools`` against this cluster; parse its JSON."""
+        """Run ``python -m chaos.inject`` against this cluster; parse its JSON."""
         out = subprocess.run(
-            [sys.executable, "-m", "chaos.ray_tools", "--address", self.address, *args],
+            [sys.executable, "-m", "chaos.inject", "--address", self.address, *args],
             env=self.env, capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent.parent,
         )
         assert out.returncode == 0, out.stderr[-3000:]

