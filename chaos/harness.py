@@ -80,8 +80,8 @@ class Daemon:
         config.setdefault("supervisor", {}).setdefault("data_dir", str(data_dir()))
         self.config_path = write_toml(workdir / "daemon.toml", config)
         self.log_path = workdir / "daemon.log"
-        self.env = dict(os.environ, **(env or {}), **{MARKER_ENV: self.marker})
-        self.env.pop("NOTIFY_SOCKET", None)
+        inherited = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
+        self.env = dict(inherited, **(env or {}), **{MARKER_ENV: self.marker})
         self.proc: subprocess.Popen | None = None
         self.shm_before: set[str] = set()
         self.base_url = f"http://127.0.0.1:{self.port}"

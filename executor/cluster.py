@@ -52,6 +52,14 @@ class RayCluster:
         os.environ["RAY_ADDRESS"] = address
         return address
 
+    @staticmethod
+    def reachable() -> bool:
+        """Whether the GCS answers (the cluster still exists)."""
+        try:
+            return bool(ray.is_initialized() and ray.nodes())
+        except Exception:
+            return False
+
     def shutdown(self) -> None:
         if ray.is_initialized():
             ray.shutdown()

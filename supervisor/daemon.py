@@ -148,6 +148,7 @@ class Supervisor:
         self._cluster: Any = None
         self._placement_group: Any = None
         self._shm_before_build: set[str] = set()
+        self._reach_check: asyncio.Future | None = None
         self._recovery: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
         self.runtime_dir = Path(os.environ.get("RUNTIME_DIRECTORY") or tempfile.mkdtemp(prefix="vllm-supervisor-"))
@@ -640,11 +641,22 @@ class Supervisor:
             log.warning("probe failed", problem=problem, consecutive=failures)
             if failures >= self.cfg.probe_failure_threshold and gen is self.current and not gen.failed:
                 failures = 0
-                self.post(EngineFailed(gen.number, "hang", problem, kill_workers=True))
+                reason = "ray_lost" if problem.startswith("ray cluster") else "hang"
+                self.post(EngineFailed(gen.number, reason, problem, kill_workers=True))
 
     async def _probe(self, gen: Generation) -> str | None:
         if gen.engine.errored:
             return "dead: engine reported errored"
+        if self._cluster is not None:
+            # At most one check in flight: a GCS that is gone can block the call for a minute.
+            if self._reach_check is None or self._reach_check.done():
+                self._reach_check = asyncio.ensure_future(asyncio.to_thread(self._cluster.reachable))
+            try:
+                reachable = await asyncio.wait_for(asyncio.shield(self._reach_check), self.cfg.probe_timeout_s)
+            except asyncio.TimeoutError:
+                reachable = False
+            if not reachable:
+                return "ray cluster unreachable"
         now = time.monotonic()
         if gen.pumps:
             # Hung: nothing came out since the later of the last output and the oldest
@@ -682,7 +694,7 @@ class Supervisor:
             if self.state is State.STARTING:
                 self.notifier.extend_timeout(3 * tick)
             now = time.monotonic()
-            if interval and now - last_ping >= interval and self.state is not State.FAILED:
+            if interval and now - last_ping >= interval and not self.state.terminal:
                 self.notifier.watchdog()
                 last_ping = now
             await asyncio.sleep(tick)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import signal
+import socket
 
 import httpx
 import openai
@@ -20,8 +21,29 @@ PROMPTS = ["The quick brown fox", "Once upon a time", "def main(): return"]
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
-    d = Daemon(tmp_path_factory.mktemp("tp1"), {"engine": {"tensor_parallel_size": 1}}).start()
+def notify_socket(tmp_path_factory):
+    """A real AF_UNIX datagram socket standing in for systemd's NOTIFY_SOCKET."""
+    path = str(tmp_path_factory.mktemp("notify") / "notify.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(path)
+    sock.setblocking(False)
+    yield path, sock
+    sock.close()
+
+
+def drain(sock) -> list[str]:
+    out = []
+    while True:
+        try:
+            out.append(sock.recv(65536).decode())
+        except BlockingIOError:
+            return out
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory, notify_socket):
+    env = {"NOTIFY_SOCKET": notify_socket[0], "WATCHDOG_USEC": "2000000"}
+    d = Daemon(tmp_path_factory.mktemp("tp1"), {"engine": {"tensor_parallel_size": 1}}, env=env).start()
     try:
         d.wait_ready()
         yield d
@@ -144,8 +166,15 @@ def test_log_lines_are_json_with_state_and_generation(daemon):
     assert requests and all(l["request_id"] for l in requests)
 
 
-def test_sigterm_exits_zero_and_leaves_nothing(daemon):
+def test_sigterm_exits_zero_and_leaves_nothing(daemon, notify_socket):
+    before_stop = drain(notify_socket[1])
     code, took = daemon.stop(signal.SIGTERM)
+    messages = before_stop + drain(notify_socket[1])
+    ready = [i for i, m in enumerate(messages) if m.startswith("READY=1")]
+    assert len(ready) == 1 and "STATUS=ready (generation 1)" in messages[ready[0]]
+    assert any(m.startswith("EXTEND_TIMEOUT_USEC=") for m in messages[: ready[0]])
+    assert "WATCHDOG=1" in messages[ready[0]:]
+    assert messages[-1].startswith("STATUS=stopped") and any(m.startswith("STOPPING=1") for m in messages)
     assert code == 0, daemon.tail()
     assert took < 60
     daemon.assert_nothing_left()

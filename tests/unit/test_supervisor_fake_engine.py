@@ -1,0 +1,278 @@
+"""The supervisor's lifecycle against a fake engine: recovery, continuation, admission,
+restart intensity, hang detection and a fault during the first start. No Ray, no vLLM engine
+(only vLLM's ``SamplingParams`` and ``EngineDeadError`` types)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from types import SimpleNamespace
+
+import pytest
+from vllm import SamplingParams
+from vllm.v1.engine.exceptions import EngineDeadError
+
+from config import load_settings
+from supervisor.daemon import (
+    EXIT_FAILED, EngineFailed, EngineUnavailable, Generation, RequestFailed, SignalReceived, Supervisor,
+)
+from supervisor.states import State
+
+
+def next_token(context: list[int]) -> int:
+    """Deterministic 'greedy decoding': depends on the whole context."""
+    return (sum(context) * 31 + len(context)) % 509
+
+
+def reference(prompt: list[int], n: int) -> list[int]:
+    ctx = list(prompt)
+    for _ in range(n):
+        ctx.append(next_token(ctx))
+    return ctx[len(prompt):]
+
+
+class FakeEngine:
+    def __init__(self, step_s: float = 0.005):
+        self.step_s = step_s
+        self.errored = False
+        self.hung = asyncio.Event()
+        self.dead = asyncio.Event()
+        self.shut = False
+
+    def get_tokenizer(self):
+        return object()
+
+    def shutdown(self, timeout=None):
+        self.shut = True
+
+    def die(self):
+        self.errored = True
+        self.dead.set()
+
+    async def generate(self, prompt, params, request_id):
+        ctx = list(prompt["prompt_token_ids"])
+        for i in range(params.max_tokens):
+            if self.dead.is_set():
+                raise EngineDeadError()
+            while self.hung.is_set():
+                await asyncio.sleep(3600)
+            await asyncio.sleep(self.step_s)
+            if self.dead.is_set():
+                raise EngineDeadError()
+            tok = next_token(ctx)
+            ctx.append(tok)
+            done = "length" if i == params.max_tokens - 1 else None
+            yield SimpleNamespace(outputs=[SimpleNamespace(token_ids=[tok], text=f"<{tok}>", finish_reason=done)])
+
+
+class FakeSupervisor(Supervisor):
+    """Only the parts that talk to Ray and vLLM are replaced."""
+
+    def __init__(self, settings, build_failures: int = 0):
+        super().__init__(settings)
+        self.engines: list[FakeEngine] = []
+        self.build_failures = build_failures
+        self.torn_down: list[int] = []
+
+    def _prepare_model(self):
+        self.model_path, self.served_model_name = "/fake", "fake"
+
+    def _connect_ray(self):
+        return SimpleNamespace(started_local=True, reachable=lambda: True)
+
+    def _ensure_placement_group(self):
+        pass
+
+    def _build_generation(self, number):
+        time.sleep(0.05)
+        if self.build_failures > 0:
+            self.build_failures -= 1
+            raise RuntimeError("engine core initialization failed (fake)")
+        engine = FakeEngine()
+        self.engines.append(engine)
+        return Generation(number, f"fake-g{number}", engine, set(), 0.05)
+
+    def _cleanup_failed_build(self, number):
+        pass
+
+    def _teardown_generation(self, gen):
+        gen.engine.shutdown()
+        self.torn_down.append(gen.number)
+
+    def _release_cluster(self):
+        pass
+
+    def _kill_actors(self, instance_id):
+        return []
+
+
+def settings(tmp_path, **supervisor):
+    base = {"probe_interval_s": 0.05, "hang_timeout_s": 0.5, "probe_timeout_s": 0.5, "probe_failure_threshold": 2,
+            "restart_backoff_initial_s": 0.01, "restart_backoff_max_s": 0.05, "admission_timeout_s": 5}
+    base.update(supervisor)
+    return load_settings(None, {f"supervisor.{k}": v for k, v in base.items()}, environ={})
+
+
+async def wait_for(predicate, timeout_s=10.0):
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+async def collect(sup, prompt, n, on_token=None):
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    got = []
+    async for out in sup.generate(prompt, params, "req"):
+        got += out.outputs[0].token_ids
+        if on_token:
+            on_token(len(got))
+    return got
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_worker_death_mid_stream_continues_exactly(tmp_path):
+    async def scenario():
+        sup = FakeSupervisor(settings(tmp_path))
+        owner = asyncio.create_task(sup.run())
+        await wait_for(lambda: sup.state is State.READY)
+
+        def kill_at_7(n):
+            if n == 7:
+                sup.engines[0].die()
+                sup.post(EngineFailed(1, "worker_death", "rank 0 killed"))
+
+        got = await collect(sup, [1, 2, 3], 30, kill_at_7)
+        assert got == reference([1, 2, 3], 30)
+        assert sup.generation_number == 2 and sup.torn_down == [1]
+        assert sup.outcomes["continued"] == 1 and sup.restarts["worker_death"] == 1
+        assert set(sup.recoveries[0]["phases_s"]) >= {"detect", "drain", "teardown", "placement_group", "engine_start"}
+        sup.post(SignalReceived(signal.SIGTERM))
+        assert await owner == 0
+        assert sup.state is State.STOPPED and sup.torn_down == [1, 2]
+
+    run(scenario())
+
+
+def test_engine_dead_seen_by_a_request_triggers_recovery(tmp_path):
+    async def scenario():
+        sup = FakeSupervisor(settings(tmp_path))
+        owner = asyncio.create_task(sup.run())
+        await wait_for(lambda: sup.state is State.READY)
+        got = await collect(sup, [5], 20, lambda n: n == 4 and sup.engines[0].die())
+        assert got == reference([5], 20)
+        assert sup.restarts["engine_dead"] == 1
+        owner.cancel()
+
+    run(scenario())
+
+
+def test_hang_is_detected_by_the_probe(tmp_path):
+    async def scenario():
+        sup = FakeSupervisor(settings(tmp_path))
+        owner = asyncio.create_task(sup.run())
+        await wait_for(lambda: sup.state is State.READY)
+        got = await collect(sup, [9, 9], 25, lambda n: n == 5 and sup.engines[0].hung.set())
+        assert got == reference([9, 9], 25)
+        assert sup.restarts["hang"] == 1 and sup.recoveries[0]["reason"] == "hang"
+        owner.cancel()
+
+    run(scenario())
+
+
+def test_new_requests_wait_in_bounded_queue_during_recovery(tmp_path):
+    async def scenario():
+        sup = FakeSupervisor(settings(tmp_path, admission_queue_size=1))
+        owner = asyncio.create_task(sup.run())
+        await wait_for(lambda: sup.state is State.READY)
+        sup.build_failures = 3  # keep it RECOVERING for a while
+        sup.engines[0].die()
+        sup.post(EngineFailed(1, "worker_death", "x"))
+        await wait_for(lambda: sup.state is State.RECOVERING)
+        waiting = asyncio.create_task(collect(sup, [4], 5))
+        await wait_for(lambda: sup.waiting_new == 1)
+        with pytest.raises(EngineUnavailable, match="admission queue is full"):
+            await collect(sup, [4], 5)
+        assert await waiting == reference([4], 5)  # served by the new engine
+        assert sup.outcomes["rejected"] == 1 and sup.restarts["build_failed"] == 3
+        owner.cancel()
+
+    run(scenario())
+
+
+def test_restart_intensity_exhausted_fails_in_flight_and_exits_3(tmp_path):
+    async def scenario():
+        sup = FakeSupervisor(settings(tmp_path, max_restarts=1))
+        owner = asyncio.create_task(sup.run())
+        await wait_for(lambda: sup.state is State.READY)
+        sup.engines[0].die()
+        sup.post(EngineFailed(1, "worker_death", "first"))
+        await wait_for(lambda: sup.state is State.READY and sup.generation_number == 2)
+
+        def second(n):
+            if n == 3:
+                sup.engines[1].die()
+                sup.post(EngineFailed(2, "worker_death", "second"))
+
+        with pytest.raises(RequestFailed, match="retry"):
+            await collect(sup, [1], 50, second)
+        assert await owner == EXIT_FAILED
+        assert sup.state is State.FAILED and "restart intensity" in sup.machine.reason
+
+    run(scenario())
+
+
+def test_fault_during_first_start_is_retried(tmp_path):
+    async def scenario():
+        sup = FakeSupervisor(settings(tmp_path), build_failures=2)
+        owner = asyncio.create_task(sup.run())
+        await wait_for(lambda: sup.state is State.READY)
+        assert sup.generation_number == 3 and sup.restarts["build_failed"] == 2
+        owner.cancel()
+
+    run(scenario())
+
+
+def test_death_of_the_generation_being_built_dooms_it(tmp_path):
+    async def scenario():
+        sup = FakeSupervisor(settings(tmp_path))
+        owner = asyncio.create_task(sup.run())
+        await wait_for(lambda: sup.state is State.READY)
+        sup.engines[0].die()
+        sup.post(EngineFailed(1, "worker_death", "first"))
+        await wait_for(lambda: sup._building == 2)
+        sup.post(EngineFailed(2, "worker_death", "killed while starting"))
+        await wait_for(lambda: sup.state is State.READY and sup.generation_number == 3)
+        assert sup.torn_down == [1, 2]
+        owner.cancel()
+
+    run(scenario())
+
+
+def test_failure_of_a_retired_generation_is_ignored(tmp_path):
+    async def scenario():
+        sup = FakeSupervisor(settings(tmp_path))
+        owner = asyncio.create_task(sup.run())
+        await wait_for(lambda: sup.state is State.READY)
+        sup.post(EngineFailed(0, "worker_death", "stale"))
+        await asyncio.sleep(0.2)
+        assert sup.state is State.READY and sup.generation_number == 1
+        owner.cancel()
+
+    run(scenario())
+
+
+def test_lost_ray_cluster_is_a_failure_source(tmp_path):
+    async def scenario():
+        sup = FakeSupervisor(settings(tmp_path, max_restarts=0))
+        owner = asyncio.create_task(sup.run())
+        await wait_for(lambda: sup.state is State.READY)
+        sup._cluster.reachable = lambda: False
+        assert await owner == EXIT_FAILED  # no budget to rebuild: FAILED, exit 3
+        assert sup.restarts["ray_lost"] == 1
+
+    run(scenario())
