@@ -73,15 +73,6 @@ async def stream_one(api: openai.AsyncOpenAI, model: str, record: RequestRecord)
     return record
 
 
-async def run_batch(base_url: str, model: str, n: int, max_tokens: int, offset: int = 0) -> list[RequestRecord]:
-    api = client(base_url)
-    records = [RequestRecord(i, PROMPTS[(i + offset) % len(PROMPTS)], max_tokens) for i in range(n)]
-    try:
-        return list(await asyncio.gather(*(stream_one(api, model, r) for r in records)))
-    finally:
-        await api.close()
-
-
 def compare(records: list[RequestRecord], reference: dict[str, list[int]]) -> dict[str, int]:
     """Counts of ok / failed requests and of duplicated / missing / mismatched tokens."""
     out = {"ok": 0, "failed": 0, "mismatched": 0, "tokens_duplicated": 0, "tokens_missing": 0}
@@ -101,12 +92,12 @@ def compare(records: list[RequestRecord], reference: dict[str, list[int]]) -> di
 
 async def run_with_fault(
     base_url: str, n: int, max_tokens: int, fault=None, min_tokens_before_fault: int = 8, offset: int = 0,
-    model: str = "demo-tiny-llama",
+    model: str = "demo-tiny-llama", api_key: str = "unused",
 ) -> tuple[list[RequestRecord], Any]:
     """Run ``n`` streams; once every one has ``min_tokens_before_fault`` tokens, call
     ``fault()`` in a thread (so it may block on Ray). Returns the records and what
     ``fault()`` returned."""
-    api = client(base_url)
+    api = client(base_url, api_key)
     records = [RequestRecord(i, PROMPTS[(i + offset) % len(PROMPTS)], max_tokens) for i in range(n)]
     tasks = [asyncio.create_task(stream_one(api, model, r)) for r in records]
     fault_info = None

@@ -57,7 +57,7 @@ class Soak:
         self.rows: list[dict[str, Any]] = []
 
     def status(self) -> dict:
-        return self.daemon.get("/readyz").json()
+        return self.daemon.get("/readyz?verbose").json()
 
     def wait_ready(self, after_generation: int, timeout_s: float = 300) -> dict:
         deadline = time.monotonic() + timeout_s

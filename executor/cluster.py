@@ -125,6 +125,19 @@ class RayCluster:
         found = ray.util.list_named_actors(all_namespaces=True)
         return [(a["namespace"], a["name"]) for a in found if substring in a["name"]]
 
+    @staticmethod
+    def workers(instance_id: str) -> list[dict]:
+        return worker_actors(instance_id)
+
+    @staticmethod
+    def kill_actor_exact(name: str) -> list[str]:
+        """Kill the live named actor ``name`` (any namespace); returns [name] or []."""
+        for a in ray.util.list_named_actors(all_namespaces=True):
+            if a["name"] == name:
+                ray.kill(ray.get_actor(name, namespace=a["namespace"]), no_restart=True)
+                return [name]
+        return []
+
     @classmethod
     def kill_actors_named(cls, substring: str) -> list[str]:
         """Kill every live named actor whose name contains ``substring``; returns names."""
@@ -136,3 +149,24 @@ class RayCluster:
             except ValueError:  # died meanwhile
                 pass
         return killed
+
+
+def worker_actor_name(instance_id: str, rank: int, tp: int, pp: int) -> str:
+    """The name vLLM gives the worker actor of ``rank`` (``vllm_Worker_<instance id>[_TP<r>][_PP<r>]``)."""
+    from vllm.v1.executor.ray_utils import build_actor_name
+
+    return build_actor_name(instance_id, rank, tp, pp, 1)
+
+
+def worker_actors(instance_id: str) -> list[dict]:
+    """Live worker actors of one engine: rank, name, pid, node id (Ray's GCS actor table)."""
+    from ray._private import state
+
+    out = []
+    for info in state.actors().values():
+        name = info.get("Name", "")
+        if name.startswith(f"vllm_Worker_{instance_id}") and info.get("State") == "ALIVE":
+            tp = name.rsplit("_TP", 1)[1].split("_")[0] if "_TP" in name else "0"
+            out.append({"rank": int(tp) if tp.isdigit() else 0, "name": name, "pid": info.get("Pid"),
+                        "node_id": info.get("Address", {}).get("NodeID")})
+    return sorted(out, key=lambda w: w["rank"])

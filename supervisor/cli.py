@@ -1,4 +1,4 @@
-"""``vllm-supervisor`` command line: ``run`` and ``check-config``.
+"""``vllm-supervisor`` command line: ``run``, ``check-config`` and ``ctl``.
 
 The config is resolved and validated before Ray or vLLM is imported: an invalid value
 prints one line per problem and exits 78 (EX_CONFIG).
@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_config_flags(sub.add_parser("run", help="run the daemon"))
     _add_config_flags(sub.add_parser("check-config", help="validate a config and print it resolved"), config_positional=True)
+    sub.add_parser("ctl", help="control a running daemon: status|drain|resume|restart|kill-worker (see ctl -h)")
     return parser
 
 
@@ -61,6 +62,11 @@ def resolve(args: argparse.Namespace) -> Settings:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["ctl"]:
+        from supervisor.control import main as ctl_main
+
+        return ctl_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         settings = resolve(args)
@@ -70,23 +76,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "check-config":
         print(settings.to_json())
         return 0
-    return run(settings)
+    return run(settings, reload_settings=lambda: resolve(args))
 
 
-def run(settings: Settings) -> int:
+def run(settings: Settings, reload_settings=None) -> int:
     from supervisor import logs
 
     logs.configure(settings.supervisor.log_level, settings.supervisor.log_format)
-    return asyncio.run(_serve(settings))
+    return asyncio.run(_serve(settings, reload_settings))
 
 
-async def _serve(settings: Settings) -> int:
+async def _serve(settings: Settings, reload_settings=None) -> int:
     import uvicorn
 
+    from supervisor.control import socket_path
     from supervisor.daemon import Supervisor
     from supervisor.server import UvicornServer, build_app
 
-    sup = Supervisor(settings)
+    control = socket_path(settings.supervisor.control_socket, settings.server.port)
+    sup = Supervisor(settings, reload_settings=reload_settings, control_socket=control)
     server = UvicornServer(
         uvicorn.Config(
             build_app(sup),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import os
 import shutil
 import signal
@@ -28,6 +29,7 @@ import zmq.asyncio
 
 from config import Settings
 from executor.events import WorkerDeathEvent
+from health.metrics import SupervisorMetrics, death_cause
 from health.notify import SystemdNotifier
 from supervisor import logs
 from supervisor.continuation import NotContinuable, continuation_params
@@ -56,6 +58,7 @@ class EngineFailed:
     detail: str
     detected_monotonic: float = field(default_factory=time.monotonic)
     kill_workers: bool = False  # a hang: kill the stuck workers before tearing down
+    ranks: tuple[int, ...] = ()  # dead worker ranks, when known
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,21 @@ class StopFinished:
     pass
 
 
-Event = SignalReceived | EngineFailed | RecoveryFinished | StopFinished
+@dataclass(frozen=True)
+class ControlCommand:
+    """From the control socket; the owner task sets ``reply`` (a future) with the answer."""
+
+    cmd: str
+    args: dict
+    reply: asyncio.Future
+
+
+@dataclass(frozen=True)
+class ReloadRequested:
+    pass
+
+
+Event = SignalReceived | EngineFailed | RecoveryFinished | StopFinished | ControlCommand | ReloadRequested
 
 
 class _Interrupted(Exception):
@@ -113,9 +130,15 @@ _END = object()
 
 
 class Supervisor:
-    def __init__(self, settings: Settings):
+    def __init__(self, settings: Settings, registry: Any = None, reload_settings: Any = None,
+                 control_socket: str | None = None):
         self.settings = settings
+        self._reload_settings = reload_settings  # () -> Settings (raises ConfigError)
+        self.control_socket = control_socket
+        self.config_error = ""
+        self._reloading = False
         self.cfg = settings.supervisor
+        self.metrics = SupervisorMetrics(self._world_size(), registry)
         self.machine = StateMachine()
         self.machine.on_transition.append(self._on_transition)
         self.notifier = SystemdNotifier()
@@ -136,9 +159,11 @@ class Supervisor:
         self.last_output_monotonic = time.monotonic()
         self.last_probe_s: float | None = None
         self.last_probe_ok_wall: float | None = None
+        self.probe_failures = 0  # consecutive
         self.intensity = RestartIntensity(self.cfg.max_restarts, self.cfg.restart_window_s)
         self.restarts: Counter[str] = Counter()
         self.outcomes: Counter[str] = Counter()
+        self.metrics.bind_gauges(lambda: self.in_flight, lambda: self.parked, lambda: self.waiting_new)
         self.recoveries: list[dict[str, Any]] = []
         self._idle = asyncio.Event()
         self._idle.set()
@@ -174,6 +199,8 @@ class Supervisor:
         pristine = copy.deepcopy(params)
         delivered: list[int] = []
         attempt = 0
+        arrived = last = time.monotonic()
+        m = self.metrics
         self.in_flight += 1
         self._idle.clear()
         try:
@@ -182,14 +209,22 @@ class Supervisor:
                 try:
                     sub = params if attempt == 0 else continuation_params(pristine, len(delivered))
                 except NotContinuable as exc:
-                    self.outcomes["failed"] += 1
+                    self._count_outcome("failed")
                     raise RequestFailed(f"request interrupted by an engine failure and cannot be continued exactly ({exc}); retry it") from None
                 rid = request_id if attempt == 0 else f"{request_id}-c{attempt}"
                 try:
                     async for out in self._pump(gen, {"prompt_token_ids": prompt_token_ids + delivered}, sub, rid):
-                        delivered += out.outputs[0].token_ids
+                        ids = out.outputs[0].token_ids
+                        now = time.monotonic()
+                        if not delivered:
+                            m.ttft.observe(now - arrived)
+                        elif ids:
+                            m.itl.observe((now - last) / len(ids))
+                        last = now
+                        delivered += ids
                         yield out
-                    self.outcomes["continued" if attempt else "ok"] += 1
+                    m.e2e.observe(time.monotonic() - arrived)
+                    self._count_outcome("continued" if attempt else "ok")
                     return
                 except _Interrupted:
                     pass
@@ -199,7 +234,7 @@ class Supervisor:
                     self.post(EngineFailed(gen.number, "engine_dead", f"{type(exc).__name__}: {exc}"))
                 attempt += 1
                 if attempt > self.cfg.continuation_limit:
-                    self.outcomes["failed"] += 1
+                    self._count_outcome("failed")
                     raise RequestFailed(f"request interrupted {attempt} times by engine failures (limit {self.cfg.continuation_limit}); retry it")
                 log.info("request parked", request_id=request_id, delivered_tokens=len(delivered), attempt=attempt)
         finally:
@@ -248,12 +283,12 @@ class Supervisor:
             return self.current
         if self.state.terminal or self.state is State.STOPPING:
             if parked:
-                self.outcomes["failed"] += 1
+                self._count_outcome("failed")
                 raise RequestFailed(f"daemon is {self.state.value} ({self.machine.reason}); retry the request elsewhere")
-            self.outcomes["rejected"] += 1
+            self._count_outcome("rejected")
             raise EngineUnavailable(f"daemon is {self.state.value}: {self.machine.reason}", retry_after_s=30)
         if not parked and self.waiting_new >= self.cfg.admission_queue_size:
-            self.outcomes["rejected"] += 1
+            self._count_outcome("rejected")
             raise EngineUnavailable(f"daemon is {self.state.value} and its admission queue is full ({self.cfg.admission_queue_size})")
         timeout = self.cfg.recovery_timeout_s if parked else self.cfg.admission_timeout_s
         deadline = time.monotonic() + timeout
@@ -270,9 +305,9 @@ class Supervisor:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     if parked:
-                        self.outcomes["failed"] += 1
+                        self._count_outcome("failed")
                         raise RequestFailed(f"no engine within {timeout:g} s ({self.machine.reason}); retry the request")
-                    self.outcomes["rejected"] += 1
+                    self._count_outcome("rejected")
                     raise EngineUnavailable(f"daemon is {self.state.value} ({self.machine.reason}); no engine within {timeout:g} s")
                 self._changed.clear()
                 try:
@@ -298,12 +333,16 @@ class Supervisor:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(signum)
             loop.add_signal_handler(signum, self.post, SignalReceived(signum))
+        loop.remove_signal_handler(signal.SIGHUP)
+        loop.add_signal_handler(signal.SIGHUP, self.post, ReloadRequested())
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         self._install_signal_handlers()
         background = [self._spawn(self._listen_for_worker_deaths()), self._spawn(self._probe_loop()),
                       self._spawn(self._systemd_loop())]
+        if self.control_socket:
+            background.append(self._spawn(self._control_server(self.control_socket)))
         try:
             self._recovery = self._spawn(self._start())
             while not self.state.terminal:
@@ -313,7 +352,7 @@ class Supervisor:
                 except Exception as exc:  # one bad event must not stop the loop
                     log.exception("event handler failed", event=type(event).__name__, error=str(exc))
         finally:
-            for signum in (signal.SIGTERM, signal.SIGINT):
+            for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(signum)
             for task in background:
                 task.cancel()
@@ -334,6 +373,11 @@ class Supervisor:
             if not event.ok and self.state is not State.STOPPING:
                 self.exit_code = EXIT_FAILED
                 self._begin_stop(event.detail)
+        elif isinstance(event, ControlCommand):
+            if not event.reply.done():
+                event.reply.set_result(await self._on_control(event.cmd, event.args))
+        elif isinstance(event, ReloadRequested):
+            self._on_reload()
         elif isinstance(event, StopFinished):
             if self.exit_code == EXIT_OK:
                 self.machine.transition(State.STOPPED, "stopped")
@@ -352,11 +396,148 @@ class Supervisor:
         if self.state is State.STOPPING:
             return
         gen.failed = True
+        if event.reason == "worker_death":
+            self.metrics.worker_deaths.labels(death_cause(event.detail)).inc()
+            self.metrics.workers(up=False, ranks=event.ranks)
         log.error("engine failed", cause=event.reason, detail=event.detail[:500],
                   detect_ms=round((time.monotonic() - event.detected_monotonic) * 1000, 1))
         self.machine.transition(State.RECOVERING, f"{event.reason}: {event.detail[:200]}")
         gen.interrupt_streams()  # park every in-flight request
         self._recovery = self._spawn(self._recover(gen, event))
+
+    # --- operator commands and reload ------------------------------------------------------
+
+    async def _control_server(self, path: str) -> None:
+        """JSON over a pyzmq REP socket, 0600. Status is answered here; every other
+        command goes to the owner task as a ``ControlCommand``."""
+        from supervisor.control import parse_request
+
+        ctx = zmq.asyncio.Context.instance()
+        sock = ctx.socket(zmq.REP)
+        Path(path).unlink(missing_ok=True)
+        old_umask = os.umask(0o077)
+        try:
+            sock.bind(f"ipc://{path}")
+        finally:
+            os.umask(old_umask)
+        os.chmod(path, 0o600)
+        log.info("control socket listening", path=path)
+        try:
+            while True:
+                raw = await sock.recv()
+                try:
+                    cmd, args = parse_request(raw)
+                    if cmd == "status":
+                        reply = {"ok": True, "status": await self.full_status()}
+                    else:
+                        future = asyncio.get_running_loop().create_future()
+                        self.post(ControlCommand(cmd, args, future))
+                        reply = await asyncio.wait_for(future, 60)
+                except ValueError as exc:
+                    reply = {"ok": False, "error": str(exc)}
+                except Exception as exc:
+                    reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+                await sock.send(json.dumps(reply, default=str).encode())
+        finally:
+            sock.close(linger=0)
+            Path(path).unlink(missing_ok=True)
+
+    async def full_status(self) -> dict[str, Any]:
+        """``status()`` plus the workers (rank, actor, pid, node) from Ray."""
+        out = self.status()
+        gen = self.current
+        out["workers"] = []
+        if gen is not None and self._cluster is not None and hasattr(self._cluster, "workers"):
+            try:
+                out["workers"] = await asyncio.wait_for(asyncio.to_thread(self._cluster.workers, gen.instance_id), 10)
+            except Exception as exc:
+                out["workers_error"] = str(exc)
+        return out
+
+    async def _on_control(self, cmd: str, args: dict) -> dict[str, Any]:
+        if cmd == "drain":
+            if self.state is not State.READY:
+                return {"ok": False, "error": f"cannot drain while {self.state.value}"}
+            self.machine.transition(State.DRAINING, "operator drain")
+            return {"ok": True, "state": self.state.value}
+        if cmd == "resume":
+            if self.state is not State.DRAINING or self._busy():
+                return {"ok": False, "error": f"nothing to resume while {self.state.value}"}
+            self.machine.transition(State.READY, "operator resume")
+            return {"ok": True, "state": self.state.value}
+        if cmd == "restart":
+            if self.state not in (State.READY, State.DRAINING) or self._busy():
+                return {"ok": False, "error": f"cannot restart while {self.state.value}"}
+            self._begin_rebuild("operator", "operator restart")
+            return {"ok": True, "state": self.state.value, "generation": self.generation_number}
+        if cmd == "kill-worker":
+            gen = self.current
+            rank = args["rank"]
+            if gen is None or self.state is not State.READY:
+                return {"ok": False, "error": f"no serving engine while {self.state.value}"}
+            if rank >= self._world_size():
+                return {"ok": False, "error": f"rank {rank} out of range (world size {self._world_size()})"}
+            e = self.settings.engine
+            killed = await asyncio.to_thread(self._kill_worker, gen.instance_id, rank, e.tensor_parallel_size,
+                                             e.pipeline_parallel_size)
+            return {"ok": bool(killed), "killed": killed, **({} if killed else {"error": "actor not found"})}
+        return {"ok": False, "error": f"unknown command {cmd!r}"}
+
+    def _kill_worker(self, instance_id: str, rank: int, tp: int, pp: int) -> list[str]:
+        from executor.cluster import worker_actor_name
+
+        return self._cluster.kill_actor_exact(worker_actor_name(instance_id, rank, tp, pp))
+
+    def _busy(self) -> bool:
+        """A start, recovery or planned rebuild is under way."""
+        return self._recovery is not None and not self._recovery.done()
+
+    def _on_reload(self) -> None:
+        """SIGHUP: re-read the config. Engine changes are applied by a rebuild behind a
+        drain; an invalid config keeps the old one running (shown in ``ctl status``)."""
+        if self._reload_settings is None or self.state not in (State.READY, State.DRAINING):
+            log.warning("reload ignored", state=self.state.value)
+            return
+        try:
+            new = self._reload_settings()
+        except Exception as exc:
+            self.config_error = str(exc)
+            log.error("reload rejected: keeping the running config", error=self.config_error)
+            self.notifier.status(f"{self.state.value}: reload rejected: {self.config_error[:200]}")
+            return
+        self.config_error = ""
+        old, self.settings = self.settings, new
+        self.cfg = new.supervisor
+        self.intensity.max_restarts, self.intensity.window_s = self.cfg.max_restarts, self.cfg.restart_window_s
+        if new.server != old.server or new.ray != old.ray:
+            log.warning("server and ray settings take effect at the next daemon start")
+        if new.engine == old.engine:
+            log.info("config reloaded (no engine change)")
+            return
+        self.notifier.reloading()
+        self._reloading = True
+        self._begin_rebuild("reload", "config reload: engine settings changed")
+
+    def _begin_rebuild(self, reason: str, detail: str) -> None:
+        """A planned rebuild: drain (new requests queue), then a recovery that continues
+        whatever is still in flight after ``drain_timeout_s``."""
+        gen = self.current
+        if self.state is State.READY:
+            self.machine.transition(State.DRAINING, detail)
+
+        async def drain_then_rebuild() -> None:
+            try:
+                await asyncio.wait_for(self._idle.wait(), self.cfg.drain_timeout_s)
+            except asyncio.TimeoutError:
+                log.warning("drain deadline passed; continuing the rest on the new engine", in_flight=self.in_flight)
+            if gen is not self.current or gen is None or gen.failed or self.state is not State.DRAINING:
+                return
+            gen.failed = True
+            self.machine.transition(State.RECOVERING, detail)
+            gen.interrupt_streams()
+            await self._recover(gen, EngineFailed(gen.number, reason, detail))
+
+        self._recovery = self._spawn(drain_then_rebuild())
 
     # --- starting and recovering --------------------------------------------------------
 
@@ -377,7 +558,7 @@ class Supervisor:
         phases: dict[str, float] = {"detect": max(0.0, started - event.detected_monotonic)}
         record: dict[str, Any] = {"reason": event.reason, "detail": event.detail[:300], "from_generation": old.number,
                                   "detected_monotonic": event.detected_monotonic, "phases_s": phases}
-        self.restarts[event.reason] += 1
+        self._count_restart(event.reason)
         try:
             t = time.monotonic()
             if event.kill_workers:
@@ -395,6 +576,8 @@ class Supervisor:
         record.update(ok=ok, total_s=time.monotonic() - started, to_generation=self.generation_number,
                       ready_monotonic=time.monotonic())
         self.recoveries.append(record)
+        if ok:
+            self.metrics.recovery(record["total_s"] + phases["detect"], phases)
         log.info("recovery finished", ok=ok, **{f"{k}_s": round(v, 3) for k, v in phases.items()},
                  total_s=round(record["total_s"], 3))
         self.post(RecoveryFinished(ok, detail))
@@ -427,7 +610,7 @@ class Supervisor:
                 phases["engine_start"] = time.monotonic() - t
             except Exception as exc:
                 self._building = None
-                self.restarts["build_failed"] += 1
+                self._count_restart("build_failed")
                 log.error("engine build failed", failed_generation=number, error=f"{type(exc).__name__}: {exc}"[:500])
                 await asyncio.to_thread(self._cleanup_failed_build, number)
                 continue
@@ -437,7 +620,7 @@ class Supervisor:
                 await asyncio.to_thread(self._teardown_generation, gen)
                 if self.state is State.STOPPING:
                     return True, "stopping"
-                self.restarts["build_failed"] += 1
+                self._count_restart("build_failed")
                 continue
             self.current = gen
             if self.tokenizer is None:
@@ -612,7 +795,7 @@ class Supervisor:
                     log.warning("malformed executor event", error=str(exc))
                     continue
                 detail = f"rank(s) {ev.ranks} ({', '.join(ev.actor_names)}): {ev.cause}"
-                self.post(EngineFailed(ev.generation, "worker_death", detail, ev.detected_monotonic))
+                self.post(EngineFailed(ev.generation, "worker_death", detail, ev.detected_monotonic, ranks=tuple(ev.ranks)))
         finally:
             sock.close(linger=0)
 
@@ -631,6 +814,7 @@ class Supervisor:
                 problem = await self._probe(gen)
             except Exception as exc:
                 problem = f"probe error: {type(exc).__name__}: {exc}"
+            self.probe_failures = 0 if problem is None else failures + 1
             if problem is None:
                 failures = 0
                 continue
@@ -680,6 +864,8 @@ class Supervisor:
             return None
         self.last_probe_s = time.monotonic() - started
         self.last_probe_ok_wall = time.time()
+        self.metrics.probe_latency.observe(self.last_probe_s)
+        self.metrics.probe_last_success.set(self.last_probe_ok_wall)
         return None
 
     async def _systemd_loop(self) -> None:
@@ -707,11 +893,21 @@ class Supervisor:
         task.add_done_callback(self._tasks.discard)
         return task
 
+    def _count_restart(self, reason: str) -> None:
+        self.restarts[reason] += 1
+        self.metrics.restarts.labels(reason).inc()
+
+    def _count_outcome(self, outcome: str) -> None:
+        self.outcomes[outcome] += 1
+        self.metrics.requests.labels(outcome).inc()
+
     def _on_transition(self, old: State, new: State, reason: str) -> None:
         log.info("state transition", from_state=old.value, to_state=new.value, reason=reason)
+        self.metrics.set_state(new.value, self.generation_number)
+        self.metrics.workers(up=new is State.READY)
         text = f"{new.value} (generation {self.generation_number}): {reason[:200]}"
-        if new is State.READY and not self._announced_ready:
-            self._announced_ready = True
+        if new is State.READY and (not self._announced_ready or self._reloading):
+            self._announced_ready, self._reloading = True, False
             self.notifier.ready(text)
         elif new is State.STOPPING:
             self.notifier.stopping(text)
@@ -722,6 +918,11 @@ class Supervisor:
         else:
             self._ready.clear()
         self._changed.set()
+
+    @property
+    def ready(self) -> bool:
+        """Serving, and the last probe passed (what ``/readyz`` and load balancers see)."""
+        return self.state is State.READY and self.probe_failures == 0
 
     def status(self) -> dict[str, Any]:
         return {
@@ -736,6 +937,9 @@ class Supervisor:
             "restarts": dict(self.restarts),
             "requests": dict(self.outcomes),
             "recoveries": self.recoveries[-5:],
+            "config_error": self.config_error,
+            "probe": {"consecutive_failures": self.probe_failures, "last_duration_s": self.last_probe_s,
+                      "last_success_unix": self.last_probe_ok_wall},
         }
 
 

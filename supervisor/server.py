@@ -17,6 +17,7 @@ from typing import Any, AsyncIterator, Iterator
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from pydantic import ValidationError
 from vllm.entrypoints.openai.chat_completion.protocol import (
     ChatCompletionRequest,
@@ -45,7 +46,6 @@ from vllm.sampling_params import RequestOutputKind
 
 from supervisor import logs
 from supervisor.daemon import EngineUnavailable, RequestFailed, Supervisor
-from supervisor.states import State
 
 log = logs.get_logger("vllm_supervisor.http")
 
@@ -297,9 +297,22 @@ def build_app(sup: Supervisor) -> FastAPI:
         return JSONResponse({"status": "alive", "state": sup.state.value})
 
     @app.get("/readyz")
-    async def readyz() -> JSONResponse:
+    async def readyz(request: Request) -> JSONResponse:
+        """200 only when READY and the last probe passed; else 503 with the reason."""
         body = sup.status()
-        return JSONResponse(body, status_code=200 if sup.state is State.READY else 503)
+        if "verbose" not in request.query_params:
+            body = {k: body[k] for k in ("state", "generation", "reason", "in_flight", "recoveries")}
+        return JSONResponse(body, status_code=200 if sup.ready else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """The supervisor's series (promtool-clean)."""
+        return Response(generate_latest(sup.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/metrics/vllm")
+    async def vllm_metrics() -> Response:
+        """vLLM's own ``vllm:*`` series, as ``vllm serve`` exports them."""
+        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
     return app
 

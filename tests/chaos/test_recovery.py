@@ -52,7 +52,7 @@ def start_daemon(workdir, ray_head, tp: int, **supervisor) -> Daemon:
 
 
 def status(daemon: Daemon) -> dict:
-    return daemon.get("/readyz").json()
+    return daemon.get("/readyz?verbose").json()
 
 
 def wait_state(daemon: Daemon, state: str, timeout_s: float = 240) -> dict:

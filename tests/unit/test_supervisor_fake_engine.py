@@ -10,6 +10,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from prometheus_client import CollectorRegistry
 from vllm import SamplingParams
 from vllm.v1.engine.exceptions import EngineDeadError
 
@@ -70,7 +71,7 @@ class FakeSupervisor(Supervisor):
     """Only the parts that talk to Ray and vLLM are replaced."""
 
     def __init__(self, settings, build_failures: int = 0):
-        super().__init__(settings)
+        super().__init__(settings, registry=CollectorRegistry())
         self.engines: list[FakeEngine] = []
         self.build_failures = build_failures
         self.torn_down: list[int] = []
@@ -274,5 +275,25 @@ def test_lost_ray_cluster_is_a_failure_source(tmp_path):
         sup._cluster.reachable = lambda: False
         assert await owner == EXIT_FAILED  # no budget to rebuild: FAILED, exit 3
         assert sup.restarts["ray_lost"] == 1
+
+    run(scenario())
+
+
+def test_metrics_follow_the_lifecycle(tmp_path):
+    async def scenario():
+        sup = FakeSupervisor(settings(tmp_path))
+        owner = asyncio.create_task(sup.run())
+        await wait_for(lambda: sup.state is State.READY)
+        got = await collect(sup, [3], 12, lambda n: n == 4 and (sup.engines[0].die(), sup.post(EngineFailed(1, "worker_death", "killed by `ray.kill`", ranks=(0,)))))
+        assert got == reference([3], 12)
+        m = sup.metrics
+        assert m.state.labels("ready")._value.get() == 1 and m.state.labels("recovering")._value.get() == 0
+        assert m.generation._value.get() == 2
+        assert m.worker_deaths.labels("killed")._value.get() == 1
+        assert m.restarts.labels("worker_death")._value.get() == 1
+        assert m.requests.labels("continued")._value.get() == 1
+        assert m.recovery_duration._sum.get() > 0 and m.ttft._sum.get() > 0 and m.e2e._sum.get() > 0
+        assert m.worker_up.labels("0")._value.get() == 1
+        owner.cancel()
 
     run(scenario())

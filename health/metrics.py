@@ -1,0 +1,111 @@
+"""Prometheus metrics of the supervisor (prefix ``vllm_supervisor_``, base units).
+
+Every series exists from the first scrape: labelled families are initialised with all
+their label values. They live in a registry of their own, served at ``/metrics`` and clean
+for ``promtool check metrics``. vLLM's own ``vllm:*`` series stay in prometheus-client's
+default registry (each new engine re-registers them) and are served unchanged at
+``/metrics/vllm``: their names contain ``:``, which promtool's linter rejects.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+from prometheus_client import (
+    GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, Counter, Gauge, Histogram,
+)
+
+PREFIX = "vllm_supervisor_"
+STATES = ("starting", "ready", "recovering", "draining", "stopping", "stopped", "failed")
+DEATH_CAUSES = ("killed", "exited", "oom", "node_lost", "unknown")
+RESTART_REASONS = ("worker_death", "engine_dead", "hang", "ray_lost", "build_failed", "operator", "reload")
+PHASES = ("detect", "drain", "teardown", "placement_group", "engine_start")
+OUTCOMES = ("ok", "continued", "rejected", "failed")
+
+# LLM serving: first tokens in tens of ms to tens of s; recoveries in s to minutes.
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
+RECOVERY_BUCKETS = (1, 2.5, 5, 10, 15, 20, 30, 45, 60, 90, 120, 180, 300, 600)
+PHASE_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
+PROBE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+def death_cause(text: str) -> str:
+    """Coarse category of Ray's death-cause text."""
+    t = text.lower()
+    if "ray.kill" in t or "killed by" in t:
+        return "killed"
+    if "out of memory" in t or "oom" in t:
+        return "oom"
+    if "node" in t and ("dead" in t or "died" in t or "removed" in t):
+        return "node_lost"
+    if "exit" in t or "sigkill" in t or "terminated" in t or "died unexpectedly" in t:
+        return "exited"
+    return "unknown"
+
+
+def supervisor_registry() -> CollectorRegistry:
+    """Our own registry, with the standard process/platform/GC collectors."""
+    registry = CollectorRegistry()
+    for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+        registry.register(collector)
+    return registry
+
+
+class SupervisorMetrics:
+    def __init__(self, world_size: int, registry: CollectorRegistry | None = None):
+        p = PREFIX
+        self.registry = r = registry if registry is not None else supervisor_registry()
+        self.state = Gauge(p + "state", "1 for the daemon's current lifecycle state, else 0", ["state"], registry=r)
+        self.generation = Gauge(p + "engine_generation", "Number of the engine generation serving now (0: none)", registry=r)
+        self.worker_up = Gauge(p + "worker_up", "1 while the worker actor of this rank serves", ["rank"], registry=r)
+        self.worker_deaths = Counter(p + "worker_deaths", "Worker actor deaths by cause", ["cause"], registry=r)
+        self.restarts = Counter(p + "restarts", "Engine re-creations by reason", ["reason"], registry=r)
+        self.recovery_duration = Histogram(p + "recovery_duration_seconds", "Failure detected to new engine READY",
+                                           buckets=RECOVERY_BUCKETS, registry=r)
+        self.recovery_phase = Histogram(p + "recovery_phase_duration_seconds", "Duration of each recovery phase",
+                                        ["phase"], buckets=PHASE_BUCKETS, registry=r)
+        self.requests = Counter(p + "requests", "Finished requests by outcome", ["outcome"], registry=r)
+        self.in_flight = Gauge(p + "requests_in_flight", "Requests being served, parked or queued", registry=r)
+        self.parked = Gauge(p + "requests_parked", "In-flight requests waiting for the next engine", registry=r)
+        self.queue_depth = Gauge(p + "admission_queue_depth", "New requests waiting for an engine", registry=r)
+        self.ttft = Histogram(p + "time_to_first_token_seconds", "Request arrival to first token", buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram(p + "inter_token_latency_seconds", "Time between tokens of a stream", buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram(p + "request_duration_seconds", "Request arrival to last token", buckets=E2E_BUCKETS, registry=r)
+        self.probe_latency = Histogram(p + "probe_duration_seconds", "Duration of the canary generation", buckets=PROBE_BUCKETS, registry=r)
+        self.probe_last_success = Gauge(p + "probe_last_success_timestamp_seconds", "Unix time of the last successful probe", registry=r)
+        for s in STATES:
+            self.state.labels(s).set(1 if s == "starting" else 0)
+        for rank in range(world_size):
+            self.worker_up.labels(str(rank)).set(0)
+        for c in DEATH_CAUSES:
+            self.worker_deaths.labels(c)
+        for reason in RESTART_REASONS:
+            self.restarts.labels(reason)
+        for phase in PHASES:
+            self.recovery_phase.labels(phase)
+        for o in OUTCOMES:
+            self.requests.labels(o)
+        self.world_size = world_size
+
+    def bind_gauges(self, in_flight: Callable[[], float], parked: Callable[[], float], queue: Callable[[], float]) -> None:
+        self.in_flight.set_function(in_flight)
+        self.parked.set_function(parked)
+        self.queue_depth.set_function(queue)
+
+    def set_state(self, state: str, generation: int) -> None:
+        for s in STATES:
+            self.state.labels(s).set(1 if s == state else 0)
+        self.generation.set(generation)
+
+    def workers(self, up: bool, ranks: Iterable[int] | None = None) -> None:
+        for rank in range(self.world_size) if ranks is None else ranks:
+            if 0 <= rank < self.world_size:
+                self.worker_up.labels(str(rank)).set(1 if up else 0)
+
+    def recovery(self, total_s: float, phases: dict[str, float]) -> None:
+        self.recovery_duration.observe(total_s)
+        for phase, seconds in phases.items():
+            if phase in PHASES:
+                self.recovery_phase.labels(phase).observe(seconds)

@@ -1,0 +1,113 @@
+"""The control socket: JSON requests over a pyzmq REP socket on a local IPC path (0600).
+
+    vllm-supervisor ctl [--socket PATH] status [--json] | drain | resume | restart | kill-worker RANK
+
+Requests are ``{"cmd": NAME, "args": {...}}``; replies ``{"ok": bool, ...}``. JSON only,
+never pickle. The daemon side only validates and enqueues; its owner task acts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+COMMANDS = ("status", "drain", "resume", "restart", "kill-worker")
+
+
+def socket_path(configured: str = "", port: int = 8000) -> str:
+    """Where the daemon listens: the configured path, else ``$RUNTIME_DIRECTORY/control.sock``
+    (systemd's RuntimeDirectory=), else ``/tmp/vllm-supervisor-<port>.sock``."""
+    if configured:
+        return configured
+    if os.environ.get("RUNTIME_DIRECTORY"):
+        return str(Path(os.environ["RUNTIME_DIRECTORY"].split(":")[0]) / "control.sock")
+    return f"/tmp/vllm-supervisor-{port}.sock"
+
+
+def parse_request(raw: bytes) -> tuple[str, dict[str, Any]]:
+    """Validate one request; raises ValueError with a message for the client."""
+    try:
+        msg = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ValueError("request is not JSON") from None
+    if not isinstance(msg, dict) or not isinstance(msg.get("cmd"), str):
+        raise ValueError('request must be an object with a string "cmd"')
+    cmd, args = msg["cmd"], msg.get("args") or {}
+    if cmd not in COMMANDS:
+        raise ValueError(f"unknown command {cmd!r}; known: {', '.join(COMMANDS)}")
+    if not isinstance(args, dict):
+        raise ValueError('"args" must be an object')
+    if cmd == "kill-worker":
+        rank = args.get("rank")
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+            raise ValueError("kill-worker needs a non-negative integer rank")
+    return cmd, args
+
+
+def request(path: str, cmd: str, args: dict[str, Any] | None = None, timeout_s: float = 10.0) -> dict[str, Any]:
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
+    sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+    try:
+        sock.connect(f"ipc://{path}")
+        sock.send(json.dumps({"cmd": cmd, "args": args or {}}).encode())
+        return json.loads(sock.recv())
+    finally:
+        sock.close()
+
+
+def _table(status: dict[str, Any]) -> str:
+    lines = [
+        f"state        {status['state']}  ({status['reason']})",
+        f"generation   {status['generation']}",
+        f"uptime       {status['uptime_s']} s",
+        f"in flight    {status['in_flight']} (parked {status['parked']}, queued {status['admission_queue']})",
+        f"restarts     {sum(status['restarts'].values())} {status['restarts'] or ''}",
+        f"requests     {status['requests'] or {}}",
+    ]
+    if status.get("config_error"):
+        lines.append(f"config error {status['config_error']}")
+    workers = status.get("workers") or []
+    if workers:
+        lines.append("")
+        lines.append(f"{'rank':>4}  {'pid':>8}  {'node':<16}  actor")
+        for w in workers:
+            lines.append(f"{w['rank']:>4}  {str(w.get('pid') or '-'):>8}  {(w.get('node_id') or '-')[:16]:<16}  {w['name']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="vllm-supervisor ctl")
+    parser.add_argument("--socket", default="", help="control socket path (default: derived like the daemon does)")
+    parser.add_argument("--port", type=int, default=8000, help="the daemon's HTTP port, to derive the default socket")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("status").add_argument("--json", action="store_true")
+    sub.add_parser("drain", help="stop admitting; finish in-flight requests")
+    sub.add_parser("resume", help="admit again after a drain")
+    sub.add_parser("restart", help="rebuild the engine behind a drain (no request is lost)")
+    sub.add_parser("kill-worker", help="drill: ray.kill the worker of RANK").add_argument("rank", type=int)
+    args = parser.parse_args(argv)
+    payload = {"rank": args.rank} if args.cmd == "kill-worker" else {}
+    path = socket_path(args.socket, args.port)
+    try:
+        reply = request(path, args.cmd, payload)
+    except zmq.ZMQError as exc:
+        print(f"error: cannot reach the daemon at {path}: {exc}", file=sys.stderr)
+        return 2
+    if not reply.get("ok"):
+        print(f"error: {reply.get('error')}", file=sys.stderr)
+        return 1
+    if args.cmd == "status" and not args.json:
+        print(_table(reply["status"]))
+    else:
+        print(json.dumps(reply, indent=2))
+    return 0

@@ -1,0 +1,301 @@
+"""Operating the daemon: API key and body limits, /metrics checked by promtool and scraped by
+a real Prometheus, the control CLI, SIGHUP reload, and the systemd units."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from chaos.harness import BIN, Daemon, free_port, write_toml
+from chaos.load import PROMPTS, compare, run_with_fault
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+KEY = "sekret-test-key"
+AUTH = {"authorization": f"Bearer {KEY}"}
+
+
+def ensure_prometheus() -> None:
+    """Debian's prometheus package (prometheus + promtool), installed when missing."""
+    if shutil.which("promtool") and shutil.which("prometheus"):
+        return
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    subprocess.run(["apt-get", "update", "-qq"], check=True, env=env, capture_output=True, timeout=600)
+    subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", "prometheus"],
+                   check=True, env=env, capture_output=True, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("ops")
+    config = {"engine": {"tensor_parallel_size": 1, "max_model_len": 1024},
+              "server": {"api_key": KEY, "max_body_bytes": 65536},
+              "supervisor": {"drain_timeout_s": 20, "probe_interval_s": 1.0}}
+    d = Daemon(workdir, config).start()
+    d.socket = f"/tmp/vllm-supervisor-{d.port}.sock"
+    try:
+        d.wait_ready()
+        yield d
+    finally:
+        if d.proc.poll() is None:
+            d.kill()
+
+
+def ctl(daemon, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "vllm-supervisor"), "ctl", "--socket", daemon.socket, *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def status(daemon) -> dict:
+    out = ctl(daemon, "status", "--json")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)["status"]
+
+
+def wait_generation(daemon, generation: int, timeout_s: float = 240) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        s = status(daemon)
+        if s["state"] == "ready" and s["generation"] >= generation:
+            return s
+        time.sleep(0.3)
+    raise AssertionError(f"generation {generation} not ready: {status(daemon)}")
+
+
+# --- security ----------------------------------------------------------------------------
+
+
+def test_api_key_is_required_on_v1_only(daemon):
+    assert daemon.get("/v1/models").status_code == 401
+    r = daemon.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert daemon.post("/v1/completions", json={"prompt": "x"}, headers={"authorization": "Bearer wrong"}).status_code == 401
+    assert daemon.get("/v1/models", headers=AUTH).status_code == 200
+    assert daemon.get("/livez").status_code == 200 and daemon.get("/readyz").status_code == 200
+    assert daemon.get("/metrics").status_code == 200
+
+
+def test_oversize_and_malformed_bodies_then_still_serving(daemon):
+    big = json.dumps({"prompt": "x" * 100_000, "max_tokens": 1})
+    assert daemon.post("/v1/completions", content=big, headers={**AUTH, "content-type": "application/json"}).status_code == 413
+    assert daemon.post("/v1/completions", content=b"{", headers=AUTH).status_code == 400
+    assert daemon.post("/v1/chat/completions", content=b"null", headers=AUTH).status_code == 400
+    c = openai.OpenAI(base_url=daemon.base_url + "/v1", api_key=KEY, max_retries=0)
+    assert c.completions.create(model="demo-tiny-llama", prompt="still here", max_tokens=3).usage.completion_tokens >= 1
+
+
+# --- metrics -----------------------------------------------------------------------------
+
+SERIES = [
+    "vllm_supervisor_state", "vllm_supervisor_engine_generation", "vllm_supervisor_worker_up",
+    "vllm_supervisor_worker_deaths_total", "vllm_supervisor_restarts_total",
+    "vllm_supervisor_recovery_duration_seconds_bucket", "vllm_supervisor_recovery_phase_duration_seconds_bucket",
+    "vllm_supervisor_requests_total", "vllm_supervisor_requests_in_flight", "vllm_supervisor_admission_queue_depth",
+    "vllm_supervisor_time_to_first_token_seconds_bucket", "vllm_supervisor_inter_token_latency_seconds_bucket",
+    "vllm_supervisor_request_duration_seconds_bucket", "vllm_supervisor_probe_duration_seconds_bucket",
+    "vllm_supervisor_probe_last_success_timestamp_seconds",
+]
+
+
+def test_metrics_present_and_valid_for_promtool(daemon, tmp_path):
+    text = daemon.get("/metrics").text
+    for name in SERIES:
+        assert re.search(rf"^{name}[{{ ]", text, re.M), name
+    assert 'vllm_supervisor_state{state="ready"} 1.0' in text
+    for phase in ("detect", "drain", "teardown", "placement_group", "engine_start"):
+        assert f'phase="{phase}"' in text
+    assert re.search(r"^process_resident_memory_bytes", text, re.M)
+    assert not re.search(r"^vllm:", text, re.M)
+    engine = daemon.get("/metrics/vllm").text
+    assert re.search(r"^vllm:generation_tokens_total", engine, re.M), "vLLM's own series are missing"
+    ensure_prometheus()
+    out = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_real_prometheus_scrapes_the_daemon(daemon, tmp_path):
+    ensure_prometheus()
+    port = free_port()
+    config = tmp_path / "prometheus.yml"
+    config.write_text(
+        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+        "scrape_configs:\n"
+        f"  - job_name: vllm-supervisor\n    static_configs: [{{targets: ['127.0.0.1:{daemon.port}']}}]\n"
+        f"  - job_name: vllm\n    metrics_path: /metrics/vllm\n    static_configs: [{{targets: ['127.0.0.1:{daemon.port}']}}]\n"
+    )
+    prom = subprocess.Popen(
+        ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
+         f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        api = f"http://127.0.0.1:{port}/api/v1/query"
+        deadline = time.monotonic() + 90
+        up = state = None
+        while time.monotonic() < deadline:
+            try:
+                up = httpx.get(api, params={"query": 'up{job="vllm-supervisor"}'}, timeout=5).json()["data"]["result"]
+                state = httpx.get(api, params={"query": 'vllm_supervisor_state{state="ready"}'}, timeout=5).json()["data"]["result"]
+                engine = httpx.get(api, params={"query": 'up{job="vllm"}'}, timeout=5).json()["data"]["result"]
+                if up and state and engine:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        assert up and up[0]["value"][1] == "1", up
+        assert state and state[0]["value"][1] == "1", state
+        assert engine and engine[0]["value"][1] == "1", engine
+    finally:
+        prom.terminate()
+        prom.wait(30)
+
+
+# --- control CLI -------------------------------------------------------------------------
+
+
+def test_ctl_status_table_and_json(daemon):
+    out = ctl(daemon, "status")
+    assert out.returncode == 0, out.stderr
+    assert "state        ready" in out.stdout and "rank" in out.stdout
+    s = status(daemon)
+    assert s["state"] == "ready" and len(s["workers"]) == 1
+    w = s["workers"][0]
+    assert w["rank"] == 0 and w["pid"] > 0 and w["node_id"] and f"-g{s['generation']}" in w["name"]
+    assert oct(os.stat(daemon.socket).st_mode & 0o777) == "0o600"
+
+
+def test_ctl_rejects_bad_commands(daemon):
+    assert ctl(daemon, "bogus").returncode != 0
+    bad = ctl(daemon, "kill-worker", "7")
+    assert bad.returncode != 0 and "out of range" in bad.stderr
+    assert ctl(daemon, "resume").returncode != 0  # nothing to resume
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.RCVTIMEO, 5000)
+    sock.connect(f"ipc://{daemon.socket}")
+    sock.send(b"\x80\x04pickle?")
+    assert json.loads(sock.recv()) == {"ok": False, "error": "request is not JSON"}
+    sock.close(0)
+
+
+def test_ctl_drain_then_resume(daemon):
+    assert ctl(daemon, "drain").returncode == 0
+    r = daemon.get("/readyz")
+    assert r.status_code == 503 and r.json()["state"] == "draining"
+    c = openai.OpenAI(base_url=daemon.base_url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    result = {}
+
+    import threading
+
+    t = threading.Thread(target=lambda: result.update(out=c.completions.create(model="demo-tiny-llama", prompt="queued", max_tokens=4)))
+    t.start()
+    time.sleep(1.0)
+    assert t.is_alive(), "a new request must wait while draining"
+    assert ctl(daemon, "resume").returncode == 0
+    t.join(60)
+    assert result["out"].usage.completion_tokens == 4
+    assert daemon.get("/readyz").status_code == 200
+
+
+def _reference(daemon) -> dict[str, list[int]]:
+    records, _ = asyncio.run(run_with_fault(daemon.base_url, len(PROMPTS), 300, api_key=KEY))
+    return {r.prompt: r.token_ids for r in records}
+
+
+def test_ctl_restart_under_load_loses_nothing(daemon):
+    ref = _reference(daemon)
+    before = status(daemon)["generation"]
+    records, _ = asyncio.run(run_with_fault(daemon.base_url, 6, 300, lambda: ctl(daemon, "restart"), api_key=KEY))
+    summary = compare(records, ref)
+    assert summary["failed"] == 0 and summary["mismatched"] == 0, summary
+    s = wait_generation(daemon, before + 1)
+    assert s["restarts"].get("operator") == 1
+
+
+def test_ctl_kill_worker_drill_recovers(daemon):
+    before = status(daemon)["generation"]
+    out = ctl(daemon, "kill-worker", "0")
+    assert out.returncode == 0, out.stderr
+    s = wait_generation(daemon, before + 1)
+    assert s["restarts"].get("worker_death", 0) >= 1
+
+
+# --- reload ------------------------------------------------------------------------------
+
+
+def test_sighup_with_invalid_config_keeps_serving(daemon):
+    good = daemon.config_path.read_text()
+    daemon.config_path.write_text(good.replace("max_model_len = 1024", "max_model_len = -5"))
+    try:
+        before = status(daemon)
+        daemon.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 20
+        while not status(daemon)["config_error"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        s = status(daemon)
+        assert "engine.max_model_len" in s["config_error"]
+        assert s["state"] == "ready" and s["generation"] == before["generation"]
+        assert "config error" in ctl(daemon, "status").stdout
+    finally:
+        daemon.config_path.write_text(good)
+
+
+def test_sighup_engine_change_rebuilds_behind_a_drain(daemon):
+    before = status(daemon)["generation"]
+    daemon.config_path.write_text(daemon.config_path.read_text().replace("max_model_len = 1024", "max_model_len = 900"))
+
+    def reload():
+        daemon.proc.send_signal(signal.SIGHUP)
+
+    records, _ = asyncio.run(run_with_fault(daemon.base_url, 4, 300, reload, api_key=KEY))
+    assert all(r.outcome == "ok" and r.usage_completion_tokens == 300 for r in records), [r.error for r in records]
+    s = wait_generation(daemon, before + 1)
+    assert s["config_error"] == "" and s["restarts"].get("reload") == 1
+    models = daemon.get("/v1/models", headers=AUTH).json()
+    assert models["data"][0]["max_model_len"] == 900
+
+
+def test_sigterm_after_operations_leaves_nothing(daemon):
+    code, _ = daemon.stop(signal.SIGTERM)
+    assert code == 0, daemon.tail()
+    daemon.assert_nothing_left()
+    assert not Path(daemon.socket).exists()
+
+
+# --- systemd -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("unit", ["vllm-supervisor.service", "ray-head.service"])
+def test_systemd_units_verify(unit, tmp_path):
+    text = (ROOT / "systemd" / unit).read_text().replace("/opt/vllm-supervisor/.venv/bin/", f"{BIN}/")
+    path = tmp_path / unit
+    path.write_text(text)
+    out = subprocess.run(["systemd-analyze", "verify", str(path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "Type=notify" in text or unit == "ray-head.service"
+
+
+def test_systemd_security_exposure(tmp_path):
+    text = (ROOT / "systemd" / "vllm-supervisor.service").read_text().replace("/opt/vllm-supervisor/.venv/bin/", f"{BIN}/")
+    path = tmp_path / "vllm-supervisor.service"
+    path.write_text(text)
+    out = subprocess.run(["systemd-analyze", "security", "--offline=true", str(path)], capture_output=True, text=True, timeout=60)
+    score = float(re.search(r"Overall exposure level for \S+: ([0-9.]+)", out.stdout).group(1))
+    print(f"\nsystemd-analyze security exposure: {score}")
+    assert score <= 3.0, out.stdout
+    for directive in ("NotifyAccess=main", "WatchdogSec=", "Restart=on-failure", "KillMode=mixed", "ExecReload=",
+                      "DeviceAllow=char-nvidia-frontend rw", "TimeoutStopSec="):
+        assert directive in text, directive
