@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed-$(FLAVOR)
 CONSTRAINTS := $(wildcard constraints/$(FLAVOR).txt)
 ARGS   ?=
 
-.PHONY: venv run test unit chaos clean
+.PHONY: venv run test unit chaos bench clean
 
 venv: $(STAMP)
 
@@ -38,6 +38,14 @@ SEED   ?= 7
 TP     ?= 2
 chaos: venv
 	$(PY) -m chaos.soak --faults $(FAULTS) --seed $(SEED) --tp $(TP) --out reports
+
+# Benchmarks (tens of minutes): serving overhead vs vllm serve, recovery vs cold start and
+# process restart, and a 50-fault soak with trend plot. Results: bench/results/.
+bench: venv
+	$(PY) -m pip install --quiet $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e ".[$(FLAVOR),test,bench]"
+	$(PY) -m bench.serving_overhead --rounds 3
+	$(PY) -m bench.recovery --kills 20 --anchors 3
+	$(PY) -m chaos.soak --faults 50 --seed 11 --tp 2 --plot --out bench/results
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -112,8 +112,7 @@ def kill_all_workers(address: str, match: str = "") -> dict:
     return {"killed": names, "monotonic": at}
 
 
-def engine_core_pids(daemon_pid: int) -> list[int]:
-    """PIDs of vLLM engine-core processes that are children of the daemon."""
+def _children(parents: set[int], cmd_prefix: bytes) -> list[int]:
     pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -125,9 +124,25 @@ def engine_core_pids(daemon_pid: int) -> list[int]:
                 cmd = fh.read()
         except (OSError, ValueError, IndexError):
             continue
-        if ppid == daemon_pid and cmd.startswith(b"VLLM::EngineCore"):
+        if ppid in parents and cmd.startswith(cmd_prefix):
             pids.append(int(entry))
-    return pids
+    return sorted(pids)
+
+
+def engine_core_pids(daemon_pid: int) -> list[int]:
+    """PIDs of vLLM engine-core processes that are children of the daemon."""
+    return _children({daemon_pid}, b"VLLM::EngineCore")
+
+
+def signal_local_worker(daemon_pid: int, sig: int, index: int = 0) -> dict:
+    """``mp`` executor: signal the ``index``-th worker process of the daemon's engine core."""
+    workers = _children(set(engine_core_pids(daemon_pid)), b"VLLM::Worker")
+    if not workers:
+        raise SystemExit(f"no local worker process under the engine core of pid {daemon_pid}")
+    pid = workers[index % len(workers)]
+    at = time.monotonic()
+    os.kill(pid, sig)
+    return {"signalled_pid": pid, "signal": int(sig), "monotonic": at}
 
 
 def kill_engine_core(daemon_pid: int) -> dict:
@@ -156,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     p_sig.add_argument("--match", default="")
     p_all = sub.add_parser("kill-all-workers")
     p_all.add_argument("--match", default="")
+    p_local = sub.add_parser("signal-local-worker", help="mp executor: signal a worker process of the engine core")
+    p_local.add_argument("--daemon-pid", type=int, required=True)
+    p_local.add_argument("--signal", required=True, choices=["KILL", "STOP", "CONT", "TERM"])
+    p_local.add_argument("--index", type=int, default=0)
     p_core = sub.add_parser("kill-engine-core")
     p_core.add_argument("--daemon-pid", type=int, required=True)
     sub.add_parser("workers").add_argument("--match", default="")
@@ -170,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         out = kill_all_workers(args.address, args.match)
     elif args.cmd == "workers":
         out = workers(args.address, args.match)
+    elif args.cmd == "signal-local-worker":
+        out = signal_local_worker(args.daemon_pid, getattr(signal, f"SIG{args.signal}"), args.index)
     else:
         out = kill_engine_core(args.daemon_pid)
     json.dump(out, sys.stdout)

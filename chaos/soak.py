@@ -114,7 +114,6 @@ class Soak:
         self.daemon.wait_ready()
         records, _ = asyncio.run(run_with_fault(self.daemon.base_url, len(PROMPTS), self.args.max_tokens))
         reference = {r.prompt: r.token_ids for r in records}
-        cold_start_s = self.status()["recoveries"] and None
         baseline = {"generation": 1, **self.leftovers(1)}
         for i in range(self.args.faults):
             kind = self.rng.choice(FAULTS)
@@ -141,7 +140,7 @@ class Soak:
             self.rows.append(row)
             print(f"[{i + 1}/{self.args.faults}] {kind}: detect {row['detect_ms']} ms, recovery {row['recovery_s']} s, "
                   f"ok {summary['ok']}/{len(records)}, mismatched {summary['mismatched']}", flush=True)
-        return {"baseline": baseline, "faults": self.rows, "cold_start_s": cold_start_s}
+        return {"baseline": baseline, "faults": self.rows}
 
     def close(self) -> dict[str, Any]:
         code, took = self.daemon.stop(signal.SIGTERM)
@@ -187,6 +186,35 @@ def render_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(report: dict[str, Any], path: Path) -> None:
+    """Trends after each fault (needs matplotlib: the ``bench`` extra)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["faults"]
+    x = list(range(len(rows) + 1))
+    series = {
+        "daemon RSS (MiB)": [report["baseline"]["rss_kib"] / 1024] + [r["leftovers"]["rss_kib"] / 1024 for r in rows],
+        "daemon fds": [report["baseline"]["fds"]] + [r["leftovers"]["fds"] for r in rows],
+        "daemon threads": [report["baseline"]["threads"]] + [r["leftovers"]["threads"] for r in rows],
+        "/dev/shm segments (ours)": [report["baseline"]["shm_segments"]] + [r["leftovers"]["shm_segments"] for r in rows],
+        "Ray actors": [report["baseline"]["actors"]] + [r["leftovers"]["actors"] for r in rows],
+        "placement groups": [report["baseline"]["placement_groups"]] + [r["leftovers"]["placement_groups"] for r in rows],
+    }
+    fig, axes = plt.subplots(len(series), 1, figsize=(8, 2.0 * len(series)), sharex=True)
+    for ax, (label, ys) in zip(axes, series.items()):
+        ax.plot(x, ys, marker=".")
+        ax.set_ylabel(label, fontsize=8)
+        ax.set_ylim(bottom=0, top=max(ys) * 1.2 + 1)
+        ax.grid(alpha=0.3)
+    axes[-1].set_xlabel("faults injected")
+    fig.suptitle(f"vllm-supervisor soak: {len(rows)} faults, seed {report['seed']}, TP={report['tp']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m chaos.soak")
     parser.add_argument("--faults", type=int, default=20)
@@ -195,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streams", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=400)
     parser.add_argument("--out", type=Path, default=Path("reports"))
+    parser.add_argument("--plot", action="store_true", help="also write chaos-trends.png (matplotlib)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "seed": args.seed, "tp": args.tp}
@@ -205,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         report["close"] = soak.close()
     (args.out / "chaos-report.json").write_text(json.dumps(report, indent=2))
     (args.out / "chaos-report.md").write_text(render_markdown(report))
+    if args.plot:
+        plot(report, args.out / "chaos-trends.png")
     print(render_markdown(report))
     bad = sum(r["failed"] + r["mismatched"] for r in report["faults"]) or report["close"]["exit_code"]
     return 1 if bad else 0

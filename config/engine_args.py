@@ -26,6 +26,7 @@ _RESERVED = frozenset(
         "gpu_memory_utilization",
         "distributed_executor_backend",
         "worker_cls",
+        "executor",
     }
 )
 

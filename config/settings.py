@@ -37,6 +37,9 @@ class _Section(BaseModel):
 
 class EngineSettings(_Section):
     model: str = Field("", description="Model path or name; empty = the built-in demo model.")
+    executor: Literal["ray", "mp"] = Field(
+        "ray", description="ray: workers are Ray actors (Ray V2 executor); mp: local processes (single node, no Ray)."
+    )
     served_model_name: str = Field("", description="Name clients use; defaults to the model's.")
     tensor_parallel_size: int = Field(1, ge=1, le=1024)
     pipeline_parallel_size: int = Field(1, ge=1, le=1024)

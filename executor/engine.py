@@ -6,6 +6,7 @@ Blocking: the supervisor calls these from worker threads.
 from __future__ import annotations
 
 import os
+import signal
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,9 +41,12 @@ def build_engine(spec: EngineSpec):
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from executor.ray_v2 import SupervisedRayExecutor
-
     s = spec.settings
+    if s.executor == "mp":
+        from executor.mp import SupervisedMultiprocExecutor as executor_class
+    else:
+        from executor.ray_v2 import SupervisedRayExecutor as executor_class
+
     cpu = is_cpu_platform()
     if cpu:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(s.kv_cache_space_gib)
@@ -57,13 +61,14 @@ def build_engine(spec: EngineSpec):
         dtype=spec.dtype,
         enforce_eager=s.enforce_eager,
         seed=s.seed,
-        distributed_executor_backend=SupervisedRayExecutor,
+        distributed_executor_backend=executor_class,
     )
     if not cpu:
         kwargs["gpu_memory_utilization"] = s.gpu_memory_utilization
     engine_args = AsyncEngineArgs(**kwargs)
     vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
-    vllm_config.parallel_config.placement_group = spec.placement_group
+    if spec.placement_group is not None:
+        vllm_config.parallel_config.placement_group = spec.placement_group
     vllm_config.instance_id = spec.instance_id
     vllm_config.additional_config[ADDITIONAL_CONFIG_KEY] = {
         "generation": spec.generation,
@@ -87,3 +92,35 @@ def engine_core_pids(engine) -> list[int]:
 def shutdown_engine(engine, timeout_s: float = 5.0) -> None:
     """Shut the engine down without waiting for a dead engine core to exit by itself."""
     engine.shutdown(timeout=timeout_s)
+
+
+def engine_worker_pids(engine) -> list[int]:
+    """PIDs of the engine core's child processes (the ``mp`` executor's workers)."""
+    parents = set(engine_core_pids(engine))
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as fh:
+                    if int(fh.read().rsplit(b")", 1)[1].split()[1]) in parents:
+                        pids.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                continue
+    return pids
+
+
+def kill_pids(pids: list[int]) -> list[int]:
+    """SIGKILL each process still alive (works on stopped, hung ones too); returns those hit."""
+    killed = []
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        except ProcessLookupError:
+            pass
+    return killed
+
+
+def kill_engine_workers(engine) -> list[int]:
+    """SIGKILL the engine core's worker processes."""
+    return kill_pids(engine_worker_pids(engine))

@@ -26,11 +26,9 @@ import ray
 import vllm.v1.executor.ray_executor_v2 as _v2
 from vllm.platforms import current_platform
 
-from executor.events import ADDITIONAL_CONFIG_KEY, WorkerDeathEvent, publish
+from executor.reporting import CAUSE_MAX_CHARS, DeathReporter, Dead
 
 logger = logging.getLogger("vllm_supervisor.executor")
-
-_CAUSE_MAX_CHARS = 2000
 
 
 class SupervisedRayWorkerProc(_v2.RayWorkerProc):
@@ -42,14 +40,11 @@ class SupervisedRayWorkerProc(_v2.RayWorkerProc):
         return super().get_node_and_physical_gpu_ids()
 
 
-class SupervisedRayExecutor(_v2.RayExecutorV2):
+class SupervisedRayExecutor(DeathReporter, _v2.RayExecutorV2):
     """Ray V2 executor that reports worker deaths to the vllm-supervisor daemon."""
 
     def _init_executor(self) -> None:
-        wiring = self.vllm_config.additional_config.get(ADDITIONAL_CONFIG_KEY, {})
-        self._generation = int(wiring.get("generation", 0))
-        self._event_endpoint = wiring.get("event_endpoint", "")
-        self._dead: list[tuple[int, str, str, str]] = []  # (rank, actor name, node id, cause)
+        self._wire()
         # vLLM names the actors after instance_id while they are created; keep that value.
         self._instance_id = self.vllm_config.instance_id
         if current_platform.is_cpu():
@@ -92,17 +87,6 @@ class SupervisedRayExecutor(_v2.RayExecutorV2):
 
     # --- failure path ----------------------------------------------------------------
 
-    def register_failure_callback(self, callback) -> None:  # type: ignore[override]
-        def report_then_forward() -> None:
-            try:
-                self._report_death()
-            except Exception:  # the engine's own callback must run regardless
-                logger.exception("could not report worker death to the supervisor")
-            finally:
-                callback()
-
-        super().register_failure_callback(report_then_forward)
-
     def shutdown(self) -> None:
         # The monitor thread sets is_failed and then calls shutdown(), which kills the
         # surviving actors: record which ranks were dead *before* that.
@@ -113,7 +97,7 @@ class SupervisedRayExecutor(_v2.RayExecutorV2):
         super().shutdown()
         _unlink_shm(rings)
 
-    def _collect_dead_ranks(self) -> list[tuple[int, str, str, str]]:
+    def _collect_dead_ranks(self) -> list[Dead]:
         handles = [h for h in getattr(self, "ray_worker_handles", []) if h.run_ref is not None]
         if not handles:
             return []
@@ -127,23 +111,9 @@ class SupervisedRayExecutor(_v2.RayExecutorV2):
                 ray.get(h.run_ref, timeout=0)
                 cause = "run() returned"
             except Exception as exc:  # RayActorError carries Ray's death cause text
-                cause = f"{type(exc).__name__}: {exc}"[:_CAUSE_MAX_CHARS]
+                cause = f"{type(exc).__name__}: {exc}"[:CAUSE_MAX_CHARS]
             dead.append((h.rank, self.actor_name(h.rank), h.node_id, cause))
         return dead
-
-    def _report_death(self) -> None:
-        if not self._event_endpoint:
-            return
-        dead = self._dead or [(-1, "", "", "executor failed (no dead rank identified)")]
-        event = WorkerDeathEvent(
-            generation=self._generation,
-            ranks=[d[0] for d in dead],
-            actor_names=[d[1] for d in dead],
-            node_ids=[d[2] for d in dead],
-            cause="; ".join(sorted({d[3] for d in dead})),
-        )
-        publish(self._event_endpoint, event)
-        logger.error("generation %d: worker rank(s) %s died; supervisor notified", self._generation, event.ranks)
 
     def _response_ring_names(self) -> list[str]:
         """``/dev/shm`` names of the rings the workers created for their replies."""

@@ -16,7 +16,8 @@ class SystemdNotifier:
         self.address = os.environ.get("NOTIFY_SOCKET", "") if address is None else address
         self._sock: socket.socket | None = None
         if self.address:
-            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+            # Non-blocking: a reader that falls behind must never stall the event loop.
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
         watchdog_usec = os.environ.get("WATCHDOG_USEC", "")
         watchdog_pid = os.environ.get("WATCHDOG_PID", "")
         applies = not watchdog_pid or watchdog_pid == str(os.getpid())
@@ -33,7 +34,7 @@ class SystemdNotifier:
         try:
             self._sock.sendto("\n".join(lines).encode(), target)
         except OSError:
-            pass  # systemd went away; nothing to tell
+            pass  # systemd went away or its queue is full: dropping beats blocking
 
     def ready(self, status: str) -> None:
         self.send("READY=1", f"STATUS={status}")

@@ -29,7 +29,7 @@ def why_not_continuable(params: Any) -> str | None:
 def continuation_params(params: Any, delivered: int) -> Any:
     """``params`` for the rest of a request after ``delivered`` tokens reached the client."""
     if delivered == 0:
-        return params
+        return copy.deepcopy(params)  # the engine may have mutated the one it was given
     reason = why_not_continuable(params)
     if reason:
         raise NotContinuable(reason)

@@ -167,7 +167,6 @@ class Supervisor:
         self.recoveries: list[dict[str, Any]] = []
         self._idle = asyncio.Event()
         self._idle.set()
-        self._ready = asyncio.Event()
         self._changed = asyncio.Event()  # pulsed on every transition
         self._events: asyncio.Queue[Event] = asyncio.Queue()
         self._cluster: Any = None
@@ -544,8 +543,9 @@ class Supervisor:
     async def _start(self) -> None:
         try:
             await asyncio.to_thread(self._prepare_model)
-            self._cluster = await asyncio.to_thread(self._connect_ray)
-            self._install_signal_handlers()
+            if self.settings.engine.executor == "ray":
+                self._cluster = await asyncio.to_thread(self._connect_ray)
+                self._install_signal_handlers()
         except Exception as exc:
             log.exception("first start failed")
             self.post(RecoveryFinished(False, f"could not start: {type(exc).__name__}: {exc}"))
@@ -561,8 +561,8 @@ class Supervisor:
         self._count_restart(event.reason)
         try:
             t = time.monotonic()
-            if event.kill_workers:
-                await asyncio.to_thread(self._kill_actors, old.instance_id)
+            if event.kill_workers:  # a hang: the stuck workers go first (SIGKILL works on stopped ones)
+                await asyncio.to_thread(self._kill_stuck_workers, old)
             await self._drain_pumps(old)
             phases["drain"] = time.monotonic() - t
             t = time.monotonic()
@@ -612,6 +612,8 @@ class Supervisor:
                 self._building = None
                 self._count_restart("build_failed")
                 log.error("engine build failed", failed_generation=number, error=f"{type(exc).__name__}: {exc}"[:500])
+                if type(exc).__name__ == "PlacementGroupTimeout" and self.state is State.RECOVERING:
+                    self.machine.transition(State.RECOVERING, f"waiting for capacity: {exc}")
                 await asyncio.to_thread(self._cleanup_failed_build, number)
                 continue
             self._building = None
@@ -661,10 +663,18 @@ class Supervisor:
         e = self.settings.engine
         return e.tensor_parallel_size * e.pipeline_parallel_size
 
+    def _kill_stuck_workers(self, gen: Generation) -> None:
+        from executor.engine import kill_engine_workers
+
+        killed = self._kill_actors(gen.instance_id) if self._cluster else kill_engine_workers(gen.engine)
+        log.warning("killed stuck workers", killed=killed)
+
     def _ensure_placement_group(self) -> None:
         """Reuse the placement group while all its bundles are placed, else re-create it."""
         from executor.engine import is_cpu_platform
 
+        if self._cluster is None:  # the mp executor: no Ray, no placement group
+            return
         if self._placement_group is not None:
             if self._cluster.placement_group_ready(self._placement_group):
                 return
@@ -749,16 +759,17 @@ class Supervisor:
             return []
 
     def _teardown_generation(self, gen: Generation) -> None:
-        from executor.engine import shutdown_engine
+        from executor.engine import engine_worker_pids, kill_pids, shutdown_engine
         from executor.shm import sweep, vllm_segments
 
         started = time.monotonic()
+        local_workers = [] if self._cluster else engine_worker_pids(gen.engine)  # before their parent goes
         try:
             # A failed engine core is not waited for: 1 s to exit on SIGTERM, then SIGKILL.
             shutdown_engine(gen.engine, timeout_s=1.0 if gen.failed else 5.0)
         except Exception:
             log.exception("engine shutdown raised", engine_generation=gen.number)
-        killed = self._kill_actors(gen.instance_id)
+        killed = self._kill_actors(gen.instance_id) if self._cluster else kill_pids(local_workers)
         # Killed workers may take a moment to exit and unmap their rings.
         removed: list[str] = []
         deadline = time.monotonic() + 10.0
@@ -913,10 +924,6 @@ class Supervisor:
             self.notifier.stopping(text)
         else:
             self.notifier.status(text)
-        if new is State.READY:
-            self._ready.set()
-        else:
-            self._ready.clear()
         self._changed.set()
 
     @property

@@ -42,6 +42,7 @@ from vllm.entrypoints.serve.engine.protocol import (
     ModelList,
     UsageInfo,
 )
+from vllm.exceptions import VLLMClientError
 from vllm.sampling_params import RequestOutputKind
 
 from supervisor import logs
@@ -149,9 +150,12 @@ def build_app(sup: Supervisor) -> FastAPI:
 
     async def stream_outputs(prompt_ids: list[int], params: Any, request_id: str) -> AsyncIterator[tuple[str, list[int], str | None]]:
         """(text delta, token ids delta, finish reason) per engine step."""
-        async for out in sup.generate(prompt_ids, params, request_id):
-            c = out.outputs[0]
-            yield c.text, list(c.token_ids), c.finish_reason
+        try:
+            async for out in sup.generate(prompt_ids, params, request_id):
+                c = out.outputs[0]
+                yield c.text, list(c.token_ids), c.finish_reason
+        except VLLMClientError as exc:  # the engine rejected the request's input
+            raise ApiError(400, str(exc), param=getattr(exc, "parameter", None)) from None
 
     async def first_then_rest(gen: AsyncIterator[Any]) -> tuple[Any, AsyncIterator[Any]]:
         """Pull the first item now so that 'no engine' errors become a proper status."""

@@ -8,6 +8,8 @@ import argparse
 import json
 import signal
 import socket
+import threading
+import time
 
 import httpx
 import openai
@@ -22,22 +24,28 @@ PROMPTS = ["The quick brown fox", "Once upon a time", "def main(): return"]
 
 @pytest.fixture(scope="module")
 def notify_socket(tmp_path_factory):
-    """A real AF_UNIX datagram socket standing in for systemd's NOTIFY_SOCKET."""
+    """A real AF_UNIX datagram socket standing in for systemd's NOTIFY_SOCKET, read
+    continuously (like systemd) by a thread; yields (path, list of messages)."""
     path = str(tmp_path_factory.mktemp("notify") / "notify.sock")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.bind(path)
-    sock.setblocking(False)
-    yield path, sock
+    sock.settimeout(0.2)
+    messages: list[str] = []
+    stop = threading.Event()
+
+    def read() -> None:
+        while not stop.is_set():
+            try:
+                messages.append(sock.recv(65536).decode())
+            except socket.timeout:
+                continue
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    yield path, messages
+    stop.set()
+    reader.join(5)
     sock.close()
-
-
-def drain(sock) -> list[str]:
-    out = []
-    while True:
-        try:
-            out.append(sock.recv(65536).decode())
-        except BlockingIOError:
-            return out
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +128,7 @@ def test_greedy_output_is_identical_across_calls(client):
         ("/v1/completions", json.dumps({"prompt": "x", "n": 2}).encode(), 400, "n > 1"),
         ("/v1/completions", json.dumps({"prompt": "x", "model": "gpt-9"}).encode(), 404, "does not exist"),
         ("/v1/completions", json.dumps({"max_tokens": 3}).encode(), 400, "prompt"),
+        ("/v1/completions", json.dumps({"prompt": [1, 2, 99999], "max_tokens": 3}).encode(), 400, "99999"),
         ("/v1/chat/completions", json.dumps({"messages": "hello"}).encode(), 400, "messages"),
         ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}).encode(), 400, "not supported"),
     ],
@@ -167,9 +176,9 @@ def test_log_lines_are_json_with_state_and_generation(daemon):
 
 
 def test_sigterm_exits_zero_and_leaves_nothing(daemon, notify_socket):
-    before_stop = drain(notify_socket[1])
     code, took = daemon.stop(signal.SIGTERM)
-    messages = before_stop + drain(notify_socket[1])
+    time.sleep(0.5)
+    messages = list(notify_socket[1])
     ready = [i for i, m in enumerate(messages) if m.startswith("READY=1")]
     assert len(ready) == 1 and "STATUS=ready (generation 1)" in messages[ready[0]]
     assert any(m.startswith("EXTEND_TIMEOUT_USEC=") for m in messages[: ready[0]])

@@ -20,9 +20,10 @@ def test_min_tokens_shrinks_by_what_was_delivered():
     assert continuation_params(p, delivered=10).min_tokens == 20
 
 
-def test_nothing_delivered_resubmits_unchanged():
+def test_nothing_delivered_resubmits_a_fresh_copy():
     p = SamplingParams(temperature=0.8, seed=3, max_tokens=5)
-    assert continuation_params(p, 0) is p
+    sub = continuation_params(p, 0)
+    assert sub is not p and (sub.temperature, sub.seed, sub.max_tokens) == (0.8, 3, 5)
 
 
 @pytest.mark.parametrize(

@@ -37,3 +37,17 @@ def test_watchdog_interval_is_half_of_watchdog_usec(monkeypatch, tmp_path):
     assert SystemdNotifier(str(tmp_path / "s")).watchdog_interval_s == 2.0
     monkeypatch.setenv("WATCHDOG_PID", "1")  # meant for another process
     assert SystemdNotifier(str(tmp_path / "s")).watchdog_interval_s is None
+
+
+def test_a_reader_that_falls_behind_never_blocks_the_sender(tmp_path):
+    import time
+
+    path = str(tmp_path / "slow.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    server.bind(path)  # never read: the kernel queue fills after a few datagrams
+    n = SystemdNotifier(path)
+    started = time.monotonic()
+    for _ in range(500):
+        n.watchdog()
+    assert time.monotonic() - started < 2.0
+    server.close()

@@ -1,0 +1,110 @@
+"""Shared pieces of the benchmarks: the two servers (``vllm serve`` with our executor, and the
+daemon), vLLM's own benchmark client, and ratio tables."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from chaos.harness import BIN, Daemon, RayHead, demo_model_path, free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL_NAME = "demo-tiny-llama"
+EXECUTOR = "executor.ray_v2.SupervisedRayExecutor"
+
+
+class VllmServe:
+    """``vllm serve`` (through its module: the CPU build's console script is broken) with
+    our executor class, on the same Ray cluster and engine settings as the daemon."""
+
+    def __init__(self, workdir: Path, head: RayHead, tp: int = 1, max_model_len: int = 1024):
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = workdir / f"vllm-serve-{self.port}.log"
+        self.cmd = [
+            sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(demo_model_path()),
+            "--served-model-name", MODEL_NAME, "--port", str(self.port), "--host", "127.0.0.1",
+            "--distributed-executor-backend", EXECUTOR, "--tensor-parallel-size", str(tp),
+            "--max-model-len", str(max_model_len), "--dtype", "float32", "--enforce-eager", "--seed", "0",
+            "--disable-uvicorn-access-log",
+        ]
+        self.env = dict(head.env, RAY_ADDRESS=head.address, VLLM_CPU_KVCACHE_SPACE="1",
+                        PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "VllmServe":
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT,
+                                     start_new_session=True)
+        return self
+
+    def wait_ready(self, timeout_s: float = 300) -> float:
+        started = time.monotonic()
+        while time.monotonic() - started < timeout_s:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}: see {self.log_path}")
+            try:
+                if httpx.get(self.base_url + "/v1/models", timeout=2).status_code == 200:
+                    return time.monotonic() - started
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise RuntimeError(f"vllm serve not ready in {timeout_s} s")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        return self.proc.returncode
+
+
+def start_daemon(workdir: Path, head: RayHead, tp: int = 1, max_model_len: int = 1024, **supervisor: Any) -> Daemon:
+    config = {"engine": {"tensor_parallel_size": tp, "max_model_len": max_model_len},
+              "ray": {"address": head.address}, "supervisor": supervisor}
+    return Daemon(workdir, config, env={"RAY_AUTH_MODE": "token"}).start()
+
+
+def bench_serve(base_url: str, result_dir: Path, name: str, num_prompts: int, rate: float, input_len: int,
+                output_len: int, seed: int = 0) -> dict[str, Any]:
+    """vLLM's benchmark client (``vllm bench serve``) through its module, in a subprocess."""
+    code = (
+        "import argparse, sys\n"
+        "from vllm.benchmarks.serve import add_cli_args, main\n"
+        "p = argparse.ArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))\n"
+    )
+    args = [
+        "--backend", "vllm", "--base-url", base_url, "--endpoint", "/v1/completions", "--model", MODEL_NAME,
+        "--tokenizer", str(demo_model_path()), "--dataset-name", "random", "--random-input-len", str(input_len),
+        "--random-output-len", str(output_len), "--num-prompts", str(num_prompts), "--request-rate", str(rate),
+        "--seed", str(seed), "--ignore-eos", "--disable-tqdm", "--percentile-metrics", "ttft,tpot,itl,e2el",
+        "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(result_dir), "--result-filename", f"{name}.json",
+    ]
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=900, cwd=ROOT)
+    if out.returncode != 0:
+        raise RuntimeError(f"bench serve failed: {out.stderr[-2000:]}")
+    import json
+
+    return json.loads((result_dir / f"{name}.json").read_text())
+
+
+def spread(values: list[float]) -> str:
+    return f"{min(values):.3f} / {statistics.median(values):.3f} / {max(values):.3f}"
+
+
+def base_parser(description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    return parser

@@ -1,0 +1,57 @@
+"""Worker-death reporting shared by our executors (runs in vLLM's engine-core process).
+
+vLLM keeps one failure-callback slot per executor; the engine core fills it. We wrap what it
+registers: first a typed ``WorkerDeathEvent`` goes to the supervisor, then the engine's own
+callback runs (chained, never replaced). The dead ranks are recorded by the executor's
+``shutdown()`` override, which the monitor thread calls before the callback.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from executor.events import ADDITIONAL_CONFIG_KEY, WorkerDeathEvent, publish
+
+logger = logging.getLogger("vllm_supervisor.executor")
+
+CAUSE_MAX_CHARS = 2000
+Dead = tuple[int, str, str, str]  # (rank, actor/process name, node id, cause)
+
+
+class DeathReporter:
+    """Mixin for a vLLM executor: ``_wire()`` in ``_init_executor``, ``_dead`` set by ``shutdown``."""
+
+    _generation = 0
+    _event_endpoint = ""
+    _dead: list[Dead] = []
+
+    def _wire(self) -> None:
+        wiring = self.vllm_config.additional_config.get(ADDITIONAL_CONFIG_KEY, {})  # type: ignore[attr-defined]
+        self._generation = int(wiring.get("generation", 0))
+        self._event_endpoint = wiring.get("event_endpoint", "")
+        self._dead = []
+
+    def register_failure_callback(self, callback) -> None:  # type: ignore[override]
+        def report_then_forward() -> None:
+            try:
+                self._report_death()
+            except Exception:  # the engine's own callback must run regardless
+                logger.exception("could not report worker death to the supervisor")
+            finally:
+                callback()
+
+        super().register_failure_callback(report_then_forward)  # type: ignore[misc]
+
+    def _report_death(self) -> None:
+        if not self._event_endpoint:
+            return
+        dead = self._dead or [(-1, "", "", "executor failed (no dead rank identified)")]
+        event = WorkerDeathEvent(
+            generation=self._generation,
+            ranks=[d[0] for d in dead],
+            actor_names=[d[1] for d in dead],
+            node_ids=[d[2] for d in dead],
+            cause="; ".join(sorted({d[3] for d in dead})),
+        )
+        publish(self._event_endpoint, event)
+        logger.error("generation %d: worker rank(s) %s died; supervisor notified", self._generation, event.ranks)

@@ -1,0 +1,111 @@
+"""Several Ray nodes on one machine (``ray.cluster_utils.Cluster``): TP=2 spread over two nodes,
+one node removed mid-stream. With a spare node the daemon recovers on the remaining capacity
+and the streams continue; without one it waits (``/readyz`` 503 with the reason) and resumes
+once a node is added."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from chaos import inject
+from chaos.harness import Daemon
+from chaos.load import PROMPTS, compare, run_with_fault
+
+pytestmark = pytest.mark.integration
+
+MAX_TOKENS = 300
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, connect=False, head_node_args={"num_cpus": 0})
+    nodes = [c.add_node(num_cpus=1) for _ in range(2)]
+    c.wait_for_nodes()
+    try:
+        yield c, nodes
+    finally:
+        try:
+            import ray
+
+            ray.shutdown()
+        finally:
+            try:
+                c.shutdown()
+            except AttributeError:  # a removed node has no processes left to stop
+                pass
+
+
+def status(d: Daemon) -> dict:
+    return d.get("/readyz?verbose").json()
+
+
+def test_node_loss_waits_for_capacity_then_resumes(tmp_path, cluster):
+    c, nodes = cluster
+    config = {
+        "engine": {"tensor_parallel_size": 2, "max_model_len": 1024},
+        "ray": {"address": c.address, "placement_strategy": "STRICT_SPREAD", "placement_timeout_s": 5},
+        "supervisor": {"max_restarts": 50, "restart_backoff_initial_s": 0.5, "restart_backoff_max_s": 2,
+                       "probe_interval_s": 1.0, "hang_timeout_s": 10},
+    }
+    d = Daemon(tmp_path, config, env={"RAY_AUTH_MODE": "token"}).start()
+    try:
+        d.wait_ready()
+        workers = inject.workers(c.address)
+        assert len({w["node_id"] for w in workers}) == 2, workers  # spread over two nodes
+        ref_records, _ = asyncio.run(run_with_fault(d.base_url, len(PROMPTS), MAX_TOKENS))
+        ref = {r.prompt: r.token_ids for r in ref_records}
+        before = status(d)["generation"]
+        victim = nodes[1]
+        streaming, fault_done = threading.Event(), threading.Event()
+
+        def hold_streams_during_fault():  # runs in a thread once every stream has tokens
+            streaming.set()
+            fault_done.wait(300)
+
+        holder: dict = {}
+        load = threading.Thread(target=lambda: holder.update(result=asyncio.run(
+            run_with_fault(d.base_url, 4, MAX_TOKENS, hold_streams_during_fault))))
+        load.start()
+        assert streaming.wait(120)
+        c.remove_node(victim)  # Ray's Cluster helpers want the main thread
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # no capacity: not ready, and it says why
+            r = d.get("/readyz")
+            if r.status_code == 503 and r.json()["state"] == "recovering":
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError(f"never saw RECOVERING: {d.get('/readyz').json()}")
+        deadline = time.monotonic() + 60
+        while "waiting for capacity" not in d.get("/readyz").json()["reason"]:
+            assert time.monotonic() < deadline, d.get("/readyz").json()
+            time.sleep(0.5)
+        waiting = d.get("/readyz")
+        assert waiting.status_code == 503 and "CPU" in waiting.json()["reason"], waiting.json()
+        c.add_node(num_cpus=1)
+        fault_done.set()
+        load.join(300)
+        records, _ = holder["result"]
+        summary = compare(records, ref)
+        assert summary["failed"] == 0 and summary["mismatched"] == 0, (summary, [r.error for r in records])
+        s = status(d)
+        assert s["state"] == "ready" and s["generation"] > before
+        reasons = [r["reason"] for r in s["recoveries"]]
+        assert reasons and reasons[0] in ("worker_death", "engine_dead", "hang"), reasons
+        assert len({w["node_id"] for w in inject.workers(c.address)}) == 2
+        code, _ = d.stop(signal.SIGTERM)
+        assert code == 0, d.tail()
+        d.assert_nothing_left()
+        assert inject.inspect(c.address) == {"placement_groups": [], "actors": []}
+    finally:
+        if d.proc.poll() is None:
+            d.kill()
