@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from chaos.harness import BIN, Daemon, RayHead, demo_model_path, free_port
+from chaos.harness import Daemon, RayHead, demo_model_path, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_NAME = "demo-tiny-llama"

@@ -27,20 +27,6 @@ from chaos.harness import BIN, RayHead
 from chaos.load import first_token_after, run_with_fault
 
 
-def status(daemon) -> dict:
-    return daemon.get("/readyz?verbose").json()
-
-
-def wait_generation(daemon, generation: int, timeout_s: float = 300) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        s = status(daemon)
-        if s["state"] == "ready" and s["generation"] >= generation:
-            return s
-        time.sleep(0.1)
-    raise RuntimeError(f"no generation {generation}: {status(daemon)}")
-
-
 def first_token(base_url: str, deadline: float) -> float:
     """Poll with one-token requests until the server answers; the monotonic time it did."""
     while time.monotonic() < deadline:
@@ -99,17 +85,17 @@ def main() -> int:
         socket = f"/tmp/vllm-supervisor-{daemon.port}.sock"
         cold = []
         for i in range(args.cold_starts):
-            gen = status(daemon)["generation"]
+            gen = daemon.status()["generation"]
             subprocess.run([str(BIN / "vllm-supervisor"), "ctl", "--socket", socket, "restart"], check=True, capture_output=True)
-            s = wait_generation(daemon, gen + 1)
+            s = daemon.wait_generation(gen + 1)
             cold.append(s["recoveries"][-1]["phases_s"]["engine_start"])
             print(f"cold start in the warm process {i + 1}: {cold[-1]:.1f} s", flush=True)
         detect, recover = [], []
         for i in range(args.kills):
-            gen = status(daemon)["generation"]
+            gen = daemon.status()["generation"]
             records, info = asyncio.run(run_with_fault(
                 daemon.base_url, 4, 400, lambda: inject.kill_worker(head.address, rank=i % args.tp), offset=i))
-            s = wait_generation(daemon, gen + 1)
+            s = daemon.wait_generation(gen + 1)
             rec = s["recoveries"][-1]
             detect.append((rec["detected_monotonic"] - info["monotonic"]) * 1000)
             first = first_token_after(records, rec["ready_monotonic"])

@@ -127,6 +127,30 @@ class Daemon:
             raise AssertionError(f"daemon did not exit within {timeout_s} s of {sig}:\n{self.tail()}")
         return code, time.monotonic() - started
 
+    def __enter__(self) -> "Daemon":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """Whatever happened, no daemon outlives its test."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.kill()
+
+    def status(self) -> dict:
+        """``/readyz?verbose`` (200 or 503, always JSON)."""
+        return self.get("/readyz?verbose").json()
+
+    def wait_generation(self, generation: int, timeout_s: float = 300) -> dict:
+        """Wait until READY on at least ``generation``; returns the status."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            s = self.status()
+            if s["state"] == "ready" and s["generation"] >= generation:
+                return s
+            if s["state"] in ("failed", "stopped"):
+                break
+            time.sleep(0.2)
+        raise AssertionError(f"generation {generation} not ready within {timeout_s} s: {self.status()}\n{self.tail()}")
+
     def kill(self) -> None:
         """Last-resort clean-up for a failed test: kill the daemon and all its descendants."""
         for pid in [self.proc.pid, *marked_pids(self.marker)]:

@@ -57,18 +57,10 @@ class Soak:
         self.rows: list[dict[str, Any]] = []
 
     def status(self) -> dict:
-        return self.daemon.get("/readyz?verbose").json()
+        return self.daemon.status()
 
     def wait_ready(self, after_generation: int, timeout_s: float = 300) -> dict:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            s = self.status()
-            if s["state"] == "ready" and s["generation"] > after_generation:
-                return s
-            if s["state"] in ("failed", "stopped"):
-                break
-            time.sleep(0.2)
-        raise RuntimeError(f"daemon did not recover: {self.status()}")
+        return self.daemon.wait_generation(after_generation + 1, timeout_s)
 
     def fault(self, kind: str, generation: int) -> Callable[[], dict]:
         addr = self.head.address
@@ -164,9 +156,10 @@ def render_markdown(report: dict[str, Any]) -> str:
         return f"{min(xs):g} / {statistics.median(xs):g} / {max(xs):g}" if xs else "–"
 
     total = {k: sum(r[k] for r in rows) for k in ("requests", "ok", "failed", "mismatched", "tokens_duplicated", "tokens_missing")}
+    counts = ", ".join(f"{k}: {sum(r['fault'] == k for r in rows)}" for k in FAULTS)
     lines = [
         f"# Chaos soak report ({report['started']}, seed {report['seed']}, TP={report['tp']})", "",
-        f"- faults injected: {len(rows)} ({', '.join(f'{k}: {sum(r['fault'] == k for r in rows)}' for k in FAULTS)})",
+        f"- faults injected: {len(rows)} ({counts})",
         f"- detection latency, crash faults (min / median / max): {dist(detect)} ms",
         f"- detection latency, hangs (SIGSTOP): {dist(hang)} ms",
         f"- recovery, kill → first token of the new engine: {dist(rec)} s",

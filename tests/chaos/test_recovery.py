@@ -26,43 +26,23 @@ FAST_PROBES = {"probe_interval_s": 1.0, "hang_timeout_s": 6.0, "probe_timeout_s"
                "restart_backoff_initial_s": 0.2}
 
 
-@pytest.fixture(scope="module")
-def ray_head():
-    head = RayHead(num_cpus=2).start()
-    try:
-        yield head
-    finally:
-        try:
-            import ray
-
-            ray.shutdown()
-        finally:
-            head.stop()
-
-
 def start_daemon(workdir, ray_head, tp: int, **supervisor) -> Daemon:
     config = {
         "engine": {"tensor_parallel_size": tp, "max_model_len": 1024},
         "ray": {"address": ray_head.address},
         "supervisor": {**FAST_PROBES, **supervisor},
     }
-    d = Daemon(workdir, config, env={"RAY_AUTH_MODE": "token"}).start()
-    d.wait_ready()
-    return d
-
-
-def status(daemon: Daemon) -> dict:
-    return daemon.get("/readyz?verbose").json()
+    return Daemon(workdir, config, env={"RAY_AUTH_MODE": "token"}).start()
 
 
 def wait_state(daemon: Daemon, state: str, timeout_s: float = 240) -> dict:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        s = status(daemon)
+        s = daemon.status()
         if s["state"] == state:
             return s
         time.sleep(0.2)
-    raise AssertionError(f"daemon not {state} within {timeout_s} s: {status(daemon)}\n{daemon.tail()}")
+    raise AssertionError(f"daemon not {state} within {timeout_s} s: {daemon.status()}\n{daemon.tail()}")
 
 
 def reference(daemon: Daemon) -> dict[str, list[int]]:
@@ -94,7 +74,7 @@ def assert_clean_generation(daemon: Daemon, ray_head: RayHead, before: int) -> N
 
 
 def last_recovery(daemon: Daemon) -> dict:
-    return status(daemon)["recoveries"][-1]
+    return daemon.status()["recoveries"][-1]
 
 
 # --------------------------------------------------------------------------------------
@@ -103,17 +83,14 @@ def last_recovery(daemon: Daemon) -> dict:
 
 @pytest.fixture(scope="module")
 def tp2(tmp_path_factory, ray_head):
-    d = start_daemon(tmp_path_factory.mktemp("chaos-tp2"), ray_head, tp=2, max_restarts=20)
-    try:
+    with start_daemon(tmp_path_factory.mktemp("chaos-tp2"), ray_head, tp=2, max_restarts=20) as d:
+        d.wait_ready()
         yield d, reference(d)
-    finally:
-        if d.proc.poll() is None:
-            d.kill()
 
 
 def test_tp2_ray_kill_rank1_mid_stream(tp2, ray_head):
     daemon, ref = tp2
-    before = status(daemon)["generation"]
+    before = daemon.status()["generation"]
     records, info = asyncio.run(_batch(daemon, 8, lambda: inject.kill_worker(ray_head.address, rank=1)))
     assert_all_exact(records, ref)
     assert_clean_generation(daemon, ray_head, before)
@@ -126,7 +103,7 @@ def test_tp2_ray_kill_rank1_mid_stream(tp2, ray_head):
 
 def test_tp2_second_kill_while_recovering(tp2, ray_head):
     daemon, ref = tp2
-    before = status(daemon)["generation"]
+    before = daemon.status()["generation"]
 
     def double_fault():
         first = inject.kill_worker(ray_head.address, rank=1)
@@ -146,7 +123,7 @@ def test_tp2_second_kill_while_recovering(tp2, ray_head):
 
 def test_tp2_sigstop_hang_is_detected_and_recovered(tp2, ray_head):
     daemon, ref = tp2
-    before = status(daemon)["generation"]
+    before = daemon.status()["generation"]
     records, info = asyncio.run(_batch(daemon, 6, lambda: inject.signal_worker(ray_head.address, signal.SIGSTOP, rank=0)))
     assert_all_exact(records, ref)
     assert_clean_generation(daemon, ray_head, before)
@@ -166,7 +143,7 @@ def test_tp2_sigstop_hang_is_detected_and_recovered(tp2, ray_head):
 
 def test_tp2_sigkill_engine_core(tp2, ray_head):
     daemon, ref = tp2
-    before = status(daemon)["generation"]
+    before = daemon.status()["generation"]
     records, _ = asyncio.run(_batch(daemon, 6, lambda: inject.kill_engine_core(daemon.proc.pid)))
     assert_all_exact(records, ref)
     assert_clean_generation(daemon, ray_head, before)
@@ -187,17 +164,14 @@ def test_tp2_stop_leaves_nothing(tp2, ray_head):
 
 @pytest.fixture(scope="module")
 def tp1(tmp_path_factory, ray_head):
-    d = start_daemon(tmp_path_factory.mktemp("chaos-tp1"), ray_head, tp=1, max_restarts=1, admission_queue_size=2)
-    try:
+    with start_daemon(tmp_path_factory.mktemp("chaos-tp1"), ray_head, tp=1, max_restarts=1, admission_queue_size=2) as d:
+        d.wait_ready()
         yield d, reference(d)
-    finally:
-        if d.proc.poll() is None:
-            d.kill()
 
 
 def test_tp1_kill_with_arrivals_during_recovery(tp1, ray_head):
     daemon, ref = tp1
-    before = status(daemon)["generation"]
+    before = daemon.status()["generation"]
     arrivals: list = []
 
     def kill_then_send_more():
@@ -221,7 +195,7 @@ def test_tp1_kill_with_arrivals_during_recovery(tp1, ray_head):
     assert all(r.status == 503 and "admission queue is full" in r.error for r in rejected)
     assert compare(served, ref)["mismatched"] == 0
     assert_clean_generation(daemon, ray_head, before)
-    assert status(daemon)["requests"]["continued"] >= 6
+    assert daemon.status()["requests"]["continued"] >= 6
 
 
 def test_tp1_restart_intensity_exhausted_exits_3_and_leaves_nothing(tp1, ray_head):

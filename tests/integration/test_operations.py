@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from chaos.harness import BIN, Daemon, free_port, write_toml
+from chaos.harness import BIN, Daemon, free_port
 from chaos.load import PROMPTS, compare, run_with_fault
 
 pytestmark = pytest.mark.integration
@@ -43,14 +43,10 @@ def daemon(tmp_path_factory):
     config = {"engine": {"tensor_parallel_size": 1, "max_model_len": 1024},
               "server": {"api_key": KEY, "max_body_bytes": 65536},
               "supervisor": {"drain_timeout_s": 20, "probe_interval_s": 1.0}}
-    d = Daemon(workdir, config).start()
-    d.socket = f"/tmp/vllm-supervisor-{d.port}.sock"
-    try:
+    with Daemon(workdir, config).start() as d:
+        d.socket = f"/tmp/vllm-supervisor-{d.port}.sock"
         d.wait_ready()
         yield d
-    finally:
-        if d.proc.poll() is None:
-            d.kill()
 
 
 def ctl(daemon, *args: str) -> subprocess.CompletedProcess:
@@ -62,16 +58,6 @@ def status(daemon) -> dict:
     out = ctl(daemon, "status", "--json")
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)["status"]
-
-
-def wait_generation(daemon, generation: int, timeout_s: float = 240) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        s = status(daemon)
-        if s["state"] == "ready" and s["generation"] >= generation:
-            return s
-        time.sleep(0.3)
-    raise AssertionError(f"generation {generation} not ready: {status(daemon)}")
 
 
 # --- security ----------------------------------------------------------------------------
@@ -221,7 +207,7 @@ def test_ctl_restart_under_load_loses_nothing(daemon):
     records, _ = asyncio.run(run_with_fault(daemon.base_url, 6, 300, lambda: ctl(daemon, "restart"), api_key=KEY))
     summary = compare(records, ref)
     assert summary["failed"] == 0 and summary["mismatched"] == 0, summary
-    s = wait_generation(daemon, before + 1)
+    s = daemon.wait_generation(before + 1)
     assert s["restarts"].get("operator") == 1
 
 
@@ -229,7 +215,7 @@ def test_ctl_kill_worker_drill_recovers(daemon):
     before = status(daemon)["generation"]
     out = ctl(daemon, "kill-worker", "0")
     assert out.returncode == 0, out.stderr
-    s = wait_generation(daemon, before + 1)
+    s = daemon.wait_generation(before + 1)
     assert s["restarts"].get("worker_death", 0) >= 1
 
 
@@ -262,7 +248,7 @@ def test_sighup_engine_change_rebuilds_behind_a_drain(daemon):
 
     records, _ = asyncio.run(run_with_fault(daemon.base_url, 4, 300, reload, api_key=KEY))
     assert all(r.outcome == "ok" and r.usage_completion_tokens == 300 for r in records), [r.error for r in records]
-    s = wait_generation(daemon, before + 1)
+    s = daemon.wait_generation(before + 1)
     assert s["config_error"] == "" and s["restarts"].get("reload") == 1
     models = daemon.get("/v1/models", headers=AUTH).json()
     assert models["data"][0]["max_model_len"] == 900

@@ -51,13 +51,9 @@ def notify_socket(tmp_path_factory):
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory, notify_socket):
     env = {"NOTIFY_SOCKET": notify_socket[0], "WATCHDOG_USEC": "2000000"}
-    d = Daemon(tmp_path_factory.mktemp("tp1"), {"engine": {"tensor_parallel_size": 1}}, env=env).start()
-    try:
+    with Daemon(tmp_path_factory.mktemp("tp1"), {"engine": {"tensor_parallel_size": 1}}, env=env).start() as d:
         d.wait_ready()
         yield d
-    finally:
-        if d.proc.poll() is None:
-            d.kill()
 
 
 @pytest.fixture(scope="module")

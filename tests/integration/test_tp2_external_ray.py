@@ -8,30 +8,17 @@ import signal
 import openai
 import pytest
 
-from chaos.harness import Daemon, RayHead
+from chaos.harness import Daemon
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def ray_head():
-    head = RayHead(num_cpus=2).start()
-    try:
-        yield head
-    finally:
-        head.stop()
-
-
-@pytest.fixture(scope="module")
 def daemon(tmp_path_factory, ray_head):
     config = {"engine": {"tensor_parallel_size": 2}, "ray": {"address": ray_head.address}}
-    d = Daemon(tmp_path_factory.mktemp("tp2"), config, env={"RAY_AUTH_MODE": "token"}).start()
-    try:
+    with Daemon(tmp_path_factory.mktemp("tp2"), config, env={"RAY_AUTH_MODE": "token"}).start() as d:
         d.wait_ready()
         yield d
-    finally:
-        if d.proc.poll() is None:
-            d.kill()
 
 
 def test_two_worker_actors_named_with_the_generation(daemon, ray_head):
