@@ -24,6 +24,8 @@ import sys
 import time
 
 WORKER_PREFIX = "vllm_Worker_"
+# Read by Ray when it is imported: set before anything here imports it.
+os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 
 def _connect(address: str) -> None:

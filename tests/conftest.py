@@ -1,8 +1,14 @@
 """Fixtures shared by the integration and chaos tiers."""
 
-import pytest
+import os
 
-from chaos.harness import RayHead
+# Ray 2.60 clusters use token auth; a client reads RAY_AUTH_MODE when Ray is imported, and
+# vLLM imports Ray, so it has to be set before any test module is loaded.
+os.environ.setdefault("RAY_AUTH_MODE", "token")
+
+import pytest  # noqa: E402
+
+from chaos.harness import RayHead  # noqa: E402
 
 
 @pytest.fixture(scope="module")
