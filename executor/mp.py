@@ -23,7 +23,7 @@ class SupervisedMultiprocExecutor(DeathReporter, MultiprocExecutor):
     def shutdown(self) -> None:
         if getattr(self, "is_failed", False) and not getattr(self, "shutting_down", False):
             if threading.current_thread().name == "MultiprocWorkerMonitor":
-                self._dead = self._collect_dead_ranks()
+                self._record_death(self._collect_dead_ranks())
         super().shutdown()
 
     def _collect_dead_ranks(self) -> list[Dead]:

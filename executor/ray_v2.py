@@ -92,7 +92,7 @@ class SupervisedRayExecutor(DeathReporter, _v2.RayExecutorV2):
         # surviving actors: record which ranks were dead *before* that.
         if getattr(self, "is_failed", False) and not getattr(self, "shutting_down", True):
             if threading.current_thread().name == "RayWorkerMonitor":
-                self._dead = self._collect_dead_ranks()
+                self._record_death(self._collect_dead_ranks())
         rings = self._response_ring_names()
         super().shutdown()
         _unlink_shm(rings)

@@ -2,8 +2,10 @@
 
 vLLM keeps one failure-callback slot per executor; the engine core fills it. We wrap what it
 registers: first a typed ``WorkerDeathEvent`` goes to the supervisor, then the engine's own
-callback runs (chained, never replaced). The dead ranks are recorded by the executor's
-``shutdown()`` override, which the monitor thread calls before the callback.
+callback runs (chained, never replaced). The monitor thread calls the executor's
+``shutdown()`` before that callback; our override records the dead ranks there and sends the
+event at once, because shutting the message queues down already makes the engine core fail
+(and clients see ``EngineDeadError``) before the callback would run. It is sent once.
 """
 
 from __future__ import annotations
@@ -25,26 +27,40 @@ class DeathReporter:
     _event_endpoint = ""
     _dead: list[Dead] = []
 
+    _reported = False
+
     def _wire(self) -> None:
         wiring = self.vllm_config.additional_config.get(ADDITIONAL_CONFIG_KEY, {})  # type: ignore[attr-defined]
         self._generation = int(wiring.get("generation", 0))
         self._event_endpoint = wiring.get("event_endpoint", "")
         self._dead = []
+        self._reported = False
 
     def register_failure_callback(self, callback) -> None:  # type: ignore[override]
         def report_then_forward() -> None:
             try:
                 self._report_death()
-            except Exception:  # the engine's own callback must run regardless
-                logger.exception("could not report worker death to the supervisor")
-            finally:
+            finally:  # the engine's own callback runs regardless
                 callback()
 
         super().register_failure_callback(report_then_forward)  # type: ignore[misc]
 
+    def _record_death(self, dead: list[Dead]) -> None:
+        """From the monitor thread's ``shutdown()``: remember the dead ranks and report now."""
+        self._dead = dead
+        self._report_death()
+
     def _report_death(self) -> None:
-        if not self._event_endpoint:
+        """Send the ``WorkerDeathEvent`` (once per executor; never raises)."""
+        if self._reported or not self._event_endpoint:
             return
+        self._reported = True
+        try:
+            self._publish()
+        except Exception:
+            logger.exception("could not report worker death to the supervisor")
+
+    def _publish(self) -> None:
         dead = self._dead or [(-1, "", "", "executor failed (no dead rank identified)")]
         event = WorkerDeathEvent(
             generation=self._generation,
