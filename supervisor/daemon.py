@@ -104,7 +104,18 @@ class Generation:
     build_s: float
     # request stream task -> (start time, its output queue)
     pumps: dict[asyncio.Task, tuple[float, asyncio.Queue]] = field(default_factory=dict)
+    # cancelled streams still inside AsyncLLM.generate's abort of a dead engine
+    lingering: set[asyncio.Task] = field(default_factory=set)
     failed: bool = False
+
+    async def reap_lingering(self, timeout_s: float = 2.0) -> None:
+        """After shutdown: a second cancel ends an abort that the dead engine never answers
+        (each such task holds the old engine, its zmq sockets and threads)."""
+        for task in self.lingering:
+            task.cancel()
+        if self.lingering:
+            await asyncio.wait(self.lingering, timeout=timeout_s)
+        self.lingering = {t for t in self.lingering if not t.done()}
 
     def interrupt_streams(self) -> None:
         """Park every request of this generation now. The consumer is told directly: a
@@ -274,6 +285,8 @@ class Supervisor:
             gen.pumps.pop(task, None)
             if not task.done():
                 task.cancel()
+                gen.lingering.add(task)
+                task.add_done_callback(gen.lingering.discard)
 
     async def _admit(self, parked: bool) -> Generation:
         """The current engine once READY. New requests wait in a bounded queue up to
@@ -567,6 +580,7 @@ class Supervisor:
             phases["drain"] = time.monotonic() - t
             t = time.monotonic()
             await asyncio.to_thread(self._teardown_generation, old)
+            await old.reap_lingering()
             self.current = None
             phases["teardown"] = time.monotonic() - t
             ok, detail = await self._bring_up(first=False, phases=phases)
@@ -620,6 +634,7 @@ class Supervisor:
             if number in self._doomed or self.state is State.STOPPING:
                 self._doomed.discard(number)
                 await asyncio.to_thread(self._teardown_generation, gen)
+                await gen.reap_lingering()
                 if self.state is State.STOPPING:
                     return True, "stopping"
                 self._count_restart("build_failed")
@@ -743,6 +758,7 @@ class Supervisor:
             if gen is not None:
                 gen.interrupt_streams()
                 await asyncio.to_thread(self._teardown_generation, gen)
+                await gen.reap_lingering()
             await asyncio.to_thread(self._release_cluster)
         except Exception:
             log.exception("error while stopping")

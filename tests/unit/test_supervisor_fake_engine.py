@@ -52,6 +52,15 @@ class FakeEngine:
         self.dead.set()
 
     async def generate(self, prompt, params, request_id):
+        try:
+            async for out in self._generate(prompt, params):
+                yield out
+        except asyncio.CancelledError:
+            if self.errored:  # like AsyncLLM: abort the request, which a dead engine never answers
+                await asyncio.sleep(3600)
+            raise
+
+    async def _generate(self, prompt, params):
         ctx = list(prompt["prompt_token_ids"])
         for i in range(params.max_tokens):
             if self.dead.is_set():
@@ -294,6 +303,26 @@ def test_metrics_follow_the_lifecycle(tmp_path):
         assert m.requests.labels("continued")._value.get() == 1
         assert m.recovery_duration._sum.get() > 0 and m.ttft._sum.get() > 0 and m.e2e._sum.get() > 0
         assert m.worker_up.labels("0")._value.get() == 1
+        owner.cancel()
+
+    run(scenario())
+
+
+def test_streams_stuck_in_a_dead_engines_abort_are_reaped(tmp_path):
+    async def scenario():
+        sup = FakeSupervisor(settings(tmp_path))
+        owner = asyncio.create_task(sup.run())
+        await wait_for(lambda: sup.state is State.READY)
+        old = sup.current
+
+        def kill(n):
+            if n == 3:
+                sup.engines[0].errored = True  # dead, but its streams block instead of raising
+                sup.post(EngineFailed(1, "worker_death", "x"))
+
+        results = await asyncio.gather(*(collect(sup, [i], 15, kill if i == 0 else None) for i in range(4)))
+        assert results == [reference([i], 15) for i in range(4)]
+        await wait_for(lambda: not old.lingering)  # nothing still holds the old engine
         owner.cancel()
 
     run(scenario())
