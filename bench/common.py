@@ -23,7 +23,7 @@ EXECUTOR = "executor.ray_v2.SupervisedRayExecutor"
 
 
 class VllmServe:
-    """``vllm serve`` (through its module: the CPU build's console script is broken) with
+    """``vllm serve`` (through its API server module: the CPU build's CLI is broken) with
     our executor class, on the same Ray cluster and engine settings as the daemon."""
 
     def __init__(self, workdir: Path, head: RayHead, tp: int = 1, max_model_len: int = 1024):
@@ -31,7 +31,9 @@ class VllmServe:
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = workdir / f"vllm-serve-{self.port}.log"
         self.cmd = [
-            sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(demo_model_path()),
+            # The CPU build's CLI entry (`vllm serve`, vllm.entrypoints.cli.main) fails looking up
+            # the `vllm` distribution's version; the API server module is the same server.
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(demo_model_path()),
             "--served-model-name", MODEL_NAME, "--port", str(self.port), "--host", "127.0.0.1",
             "--distributed-executor-backend", EXECUTOR, "--tensor-parallel-size", str(tp),
             "--max-model-len", str(max_model_len), "--dtype", "float32", "--enforce-eager", "--seed", "0",
