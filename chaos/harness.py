@@ -152,13 +152,20 @@ class Daemon:
         raise AssertionError(f"generation {generation} not ready within {timeout_s} s: {self.status()}\n{self.tail()}")
 
     def kill(self) -> None:
-        """Last-resort clean-up for a failed test: kill the daemon and all its descendants."""
+        """Last-resort clean-up for a failed test: kill the daemon and all its descendants,
+        then remove the shared memory they created (a SIGKILLed daemon cannot)."""
+        from executor.shm import sweep
+
         for pid in [self.proc.pid, *marked_pids(self.marker)]:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         self.proc.wait(10)
+        deadline = time.monotonic() + 10
+        while marked_pids(self.marker) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        sweep(shm_segments() - self.shm_before)
 
     def log_lines(self) -> list[dict]:
         out = []
