@@ -23,6 +23,8 @@ import signal
 import sys
 import time
 
+from executor.engine import child_pids
+
 WORKER_PREFIX = "vllm_Worker_"
 # Read by Ray when it is imported: set before anything here imports it.
 os.environ.setdefault("RAY_AUTH_MODE", "token")
@@ -114,31 +116,14 @@ def kill_all_workers(address: str, match: str = "") -> dict:
     return {"killed": names, "monotonic": at}
 
 
-def _children(parents: set[int], cmd_prefix: bytes) -> list[int]:
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as fh:
-                ppid = int(fh.read().rsplit(b")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as fh:
-                cmd = fh.read()
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid in parents and cmd.startswith(cmd_prefix):
-            pids.append(int(entry))
-    return sorted(pids)
-
-
 def engine_core_pids(daemon_pid: int) -> list[int]:
     """PIDs of vLLM engine-core processes that are children of the daemon."""
-    return _children({daemon_pid}, b"VLLM::EngineCore")
+    return child_pids({daemon_pid}, b"VLLM::EngineCore")
 
 
 def signal_local_worker(daemon_pid: int, sig: int, index: int = 0) -> dict:
     """``mp`` executor: signal the ``index``-th worker process of the daemon's engine core."""
-    workers = _children(set(engine_core_pids(daemon_pid)), b"VLLM::Worker")
+    workers = child_pids(set(engine_core_pids(daemon_pid)), b"VLLM::Worker")
     if not workers:
         raise SystemExit(f"no local worker process under the engine core of pid {daemon_pid}")
     pid = workers[index % len(workers)]

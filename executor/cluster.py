@@ -107,16 +107,6 @@ class RayCluster:
         except Exception:  # already removed, or the cluster is gone
             pass
 
-    @staticmethod
-    def placement_groups_named(prefix: str) -> list[str]:
-        """Names of live (not REMOVED) placement groups whose name starts with ``prefix``."""
-        table = ray.util.placement_group_table()
-        return [
-            info["name"]
-            for info in table.values()
-            if info.get("name", "").startswith(prefix) and info.get("state") != "REMOVED"
-        ]
-
     # --- actors --------------------------------------------------------------------
 
     @staticmethod

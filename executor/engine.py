@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from config import EngineSettings
@@ -26,7 +26,6 @@ class EngineSpec:
     event_endpoint: str
     placement_group: Any
     dtype: str = "auto"
-    extra_env: dict[str, str] = field(default_factory=dict)
 
 
 def is_cpu_platform() -> bool:
@@ -50,7 +49,6 @@ def build_engine(spec: EngineSpec):
     cpu = is_cpu_platform()
     if cpu:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(s.kv_cache_space_gib)
-    os.environ.update(spec.extra_env)
     kwargs: dict[str, Any] = dict(s.extra_args)
     kwargs.update(
         model=spec.model_path,
@@ -94,19 +92,28 @@ def shutdown_engine(engine, timeout_s: float = 5.0) -> None:
     engine.shutdown(timeout=timeout_s)
 
 
-def engine_worker_pids(engine) -> list[int]:
-    """PIDs of the engine core's child processes (the ``mp`` executor's workers)."""
-    parents = set(engine_core_pids(engine))
+def child_pids(parents: set[int], cmd_prefix: bytes = b"") -> list[int]:
+    """Live children of ``parents`` (from /proc) whose command line starts with ``cmd_prefix``."""
     pids = []
     for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat", "rb") as fh:
-                    if int(fh.read().rsplit(b")", 1)[1].split()[1]) in parents:
-                        pids.append(int(entry))
-            except (OSError, ValueError, IndexError):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as fh:
+                ppid = int(fh.read().rsplit(b")", 1)[1].split()[1])
+            if ppid not in parents:
                 continue
-    return pids
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                if fh.read().startswith(cmd_prefix):
+                    pids.append(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue
+    return sorted(pids)
+
+
+def engine_worker_pids(engine) -> list[int]:
+    """PIDs of the engine core's child processes (the ``mp`` executor's workers)."""
+    return child_pids(set(engine_core_pids(engine)))
 
 
 def kill_pids(pids: list[int]) -> list[int]:
