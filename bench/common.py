@@ -15,7 +15,8 @@ from typing import Any
 
 import httpx
 
-from chaos.harness import Daemon, RayHead, demo_model_path, free_port
+from chaos.harness import Daemon, RayHead, demo_model_path, free_port, shm_segments
+from executor.shm import sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_NAME = "demo-tiny-llama"
@@ -44,6 +45,7 @@ class VllmServe:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> "VllmServe":
+        self.shm_before = shm_segments()
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT,
                                      start_new_session=True)
@@ -70,6 +72,9 @@ class VllmServe:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
+        # vllm serve leaves a shared-memory segment behind when stopped or when its worker dies
+        # (its resource tracker warns "leaked shared_memory"): remove what it made and nobody maps.
+        self.swept = sweep(shm_segments() - self.shm_before)
         return self.proc.returncode
 
 

@@ -17,6 +17,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import httpx
@@ -54,8 +55,8 @@ def anchor_process_restart(work: Path, head: RayHead, reps: int) -> list[float]:
         try:
             code = server.proc.wait(120)
         except subprocess.TimeoutExpired:
-            server.stop()
             code = "hung"
+        server.stop()  # reaps it and removes the shared memory it left
         restarted = VllmServe(work, head)
         restarted.port, restarted.base_url = server.port, server.base_url
         restarted.cmd[restarted.cmd.index("--port") + 1] = str(server.port)
@@ -91,6 +92,7 @@ def main() -> int:
             cold.append(s["recoveries"][-1]["phases_s"]["engine_start"])
             print(f"cold start in the warm process {i + 1}: {cold[-1]:.1f} s", flush=True)
         detect, recover = [], []
+        inject.prepare(head.address)  # a first ray.init + get_actor inside the fault takes seconds
         for i in range(args.kills):
             gen = daemon.status()["generation"]
             records, info = asyncio.run(run_with_fault(
@@ -104,6 +106,9 @@ def main() -> int:
             print(f"kill {i + 1}: detection {detect[-1]:.1f} ms, kill → first token {recover[-1]:.1f} s", flush=True)
         daemon.stop()
         anchors = anchor_process_restart(work, head, args.anchors) if args.anchors else []
+    except BaseException:
+        traceback.print_exc()  # before the head goes: a driver that loses its GCS may abort the process
+        raise
     finally:
         head.stop()
     med = statistics.median

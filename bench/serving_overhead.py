@@ -11,6 +11,7 @@ import json
 import statistics
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 from bench.common import VllmServe, base_parser, bench_serve, spread, start_daemon
@@ -59,6 +60,9 @@ def main() -> int:
                 server.stop()
                 print(f"round {r + 1} {kind}: {result['output_throughput']:.0f} tok/s, "
                       f"TTFT p50 {result['p50_ttft_ms']:.1f} ms, ITL p50 {result['p50_itl_ms']:.2f} ms", flush=True)
+    except BaseException:
+        traceback.print_exc()
+        raise
     finally:
         head.stop()
     rows = []

@@ -38,6 +38,13 @@ def _connect(address: str) -> None:
         ray.init(address=address, log_to_driver=False, logging_level="ERROR")
 
 
+def prepare(address: str) -> None:
+    """Connect and import the worker actor's class now. ``ray.get_actor`` deserializes the
+    class, which imports vLLM: seconds on a first call, which would make a fault land late."""
+    _connect(address)
+    import executor.ray_v2  # noqa: F401
+
+
 def worker_rank(name: str) -> int:
     """Rank from a vLLM worker actor name (TP rank; 0 when TP=1)."""
     m = re.search(r"_TP(\d+)", name)

@@ -111,6 +111,9 @@ async def run_with_fault(
             if any(r.finish_reason for r in records):
                 raise RuntimeError("a stream finished before the fault; use more max_tokens")
             fault_info = await asyncio.to_thread(fault)
+            if all(t.done() and r.outcome == "ok" for t, r in zip(tasks, records)):
+                # e.g. a first Ray connection inside fault() that took longer than the streams
+                raise RuntimeError("every stream finished before fault() returned: the fault did not land mid-stream")
         await asyncio.gather(*tasks)
     finally:
         await api.close()

@@ -107,6 +107,7 @@ class Soak:
         records, _ = asyncio.run(run_with_fault(self.daemon.base_url, len(PROMPTS), self.args.max_tokens))
         reference = {r.prompt: r.token_ids for r in records}
         baseline = {"generation": 1, **self.leftovers(1)}
+        inject.prepare(self.head.address)  # so the first fault lands mid-stream, not seconds later
         for i in range(self.args.faults):
             kind = self.rng.choice(FAULTS)
             before = self.status()["generation"]
