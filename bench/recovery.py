@@ -110,6 +110,7 @@ def main() -> int:
         traceback.print_exc()  # before the head goes: a driver that loses its GCS may abort the process
         raise
     finally:
+        inject.disconnect()
         head.stop()
     med = statistics.median
     lines = [

@@ -15,6 +15,7 @@ import traceback
 from pathlib import Path
 
 from bench.common import VllmServe, base_parser, bench_serve, spread, start_daemon
+from chaos import inject
 from chaos.harness import RayHead
 
 METRICS = [
@@ -64,6 +65,7 @@ def main() -> int:
         traceback.print_exc()
         raise
     finally:
+        inject.disconnect()
         head.stop()
     rows = []
     for key, label, better in METRICS:
@@ -80,6 +82,13 @@ def main() -> int:
     for row in rows:
         table.append(f"| {row['metric']} ({row['better']} is better) | {spread(row['ratios'])} | "
                      f"{statistics.median(row['vllm_serve']):.2f} | {statistics.median(row['daemon']):.2f} |")
+    table += [
+        "", "Each round (output tok/s, TTFT p50 ms, ITL p50 ms):", "",
+        "| round | vllm serve | daemon |", "| --- | --- | --- |",
+        *[f"| {i + 1} | {v['output_throughput']:.0f}, {v['p50_ttft_ms']:.1f}, {v['p50_itl_ms']:.2f} | "
+          f"{d['output_throughput']:.0f}, {d['p50_ttft_ms']:.1f}, {d['p50_itl_ms']:.2f} |"
+          for i, (v, d) in enumerate(zip(runs["vllm_serve"], runs["daemon"]))],
+    ]
     text = "\n".join(table) + "\n"
     (args.out / "serving_overhead.md").write_text(text)
     (args.out / "serving_overhead.json").write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "rows": rows}, indent=2))

@@ -15,6 +15,7 @@ Ray 2.60 clusters use token auth: ``RAY_AUTH_MODE=token`` is set here by default
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import random
@@ -38,11 +39,19 @@ def _connect(address: str) -> None:
         ray.init(address=address, log_to_driver=False, logging_level="ERROR")
 
 
+def disconnect() -> None:
+    """Leave the cluster (before stopping it: a driver that loses its GCS aborts after 60 s)."""
+    if "ray" in sys.modules:
+        import ray
+
+        ray.shutdown()
+
+
 def prepare(address: str) -> None:
     """Connect and import the worker actor's class now. ``ray.get_actor`` deserializes the
     class, which imports vLLM: seconds on a first call, which would make a fault land late."""
     _connect(address)
-    import executor.ray_v2  # noqa: F401
+    importlib.import_module("executor.ray_v2")
 
 
 def worker_rank(name: str) -> int:
@@ -111,16 +120,22 @@ def signal_worker(address: str, sig: int, rank: int | None = None, match: str = 
 
 
 def kill_all_workers(address: str, match: str = "") -> dict:
+    """``ray.kill`` every live worker actor at once. Handles are looked up first: the first
+    kill makes vLLM's executor kill the others, and a lookup after that would fail."""
     _connect(address)
     import ray
 
-    at = time.monotonic()
-    names = []
+    handles = []
     for a in ray.util.list_named_actors(all_namespaces=True):
         if a["name"].startswith(WORKER_PREFIX) and match in a["name"]:
-            ray.kill(ray.get_actor(a["name"], namespace=a["namespace"]), no_restart=True)
-            names.append(a["name"])
-    return {"killed": names, "monotonic": at}
+            try:
+                handles.append((a["name"], ray.get_actor(a["name"], namespace=a["namespace"])))
+            except ValueError:  # already gone
+                pass
+    at = time.monotonic()
+    for _, handle in handles:
+        ray.kill(handle, no_restart=True)
+    return {"killed": [name for name, _ in handles], "monotonic": at}
 
 
 def engine_core_pids(daemon_pid: int) -> list[int]:

@@ -21,6 +21,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Callable
 
@@ -143,8 +144,37 @@ class Soak:
         except AssertionError as exc:
             left = str(exc)
         final = inject.inspect(self.head.address)
+        inject.disconnect()
         self.head.stop()
         return {"exit_code": code, "stop_s": round(took, 2), "left_after_stop": left, "cluster_after_stop": final}
+
+
+TREND_SERIES = [("rss_kib", "daemon RSS (MiB)", 1 / 1024), ("fds", "daemon fds", 1), ("threads", "daemon threads", 1),
+                ("processes", "daemon child processes", 1), ("shm_segments", "/dev/shm segments (ours)", 1),
+                ("actors", "Ray actors", 1), ("placement_groups", "placement groups", 1)]
+
+
+def slope(ys: list[float]) -> float:
+    """Least-squares slope of ``ys`` against 0, 1, 2, …"""
+    n = len(ys)
+    if n < 2:
+        return 0.0
+    mx, my = (n - 1) / 2, sum(ys) / n
+    return sum((i - mx) * (y - my) for i, y in enumerate(ys)) / sum((i - mx) ** 2 for i in range(n))
+
+
+def trends(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per series: baseline, first / last value after a fault, max, and the slope per fault over
+    all faults and over the second half (a leak keeps rising; a cache that fills levels off)."""
+    out = []
+    rows = report["faults"]
+    for key, label, scale in TREND_SERIES:
+        ys = [r["leftovers"][key] * scale for r in rows]
+        if not ys:
+            continue
+        out.append({"series": label, "baseline": report["baseline"][key] * scale, "after_first": ys[0],
+                    "last": ys[-1], "max": max(ys), "slope_all": slope(ys), "slope_second_half": slope(ys[len(ys) // 2:])})
+    return out
 
 
 def render_markdown(report: dict[str, Any]) -> str:
@@ -168,6 +198,12 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"{total['mismatched']} mismatched, {total['tokens_duplicated']} tokens duplicated, {total['tokens_missing']} missing",
         f"- stop: exit {report['close']['exit_code']} in {report['close']['stop_s']} s; left behind: {report['close']['left_after_stop']}; "
         f"cluster after stop: {report['close']['cluster_after_stop']}", "",
+        "## Trends after each fault", "",
+        "| series | baseline | after fault 1 | after last fault | max | slope per fault, all | slope per fault, second half |",
+        "| - | - | - | - | - | - | - |",
+        *[f"| {t['series']} | {t['baseline']:.0f} | {t['after_first']:.0f} | {t['last']:.0f} | {t['max']:.0f} | "
+          f"{t['slope_all']:+.2f} | {t['slope_second_half']:+.2f} |" for t in trends(report)],
+        "", "## Each fault", "",
         "| # | fault | detect ms | recovery s | engine start s | ok / req | mismatched | PGs | actors | procs | shm | unmapped shm | RSS MiB | threads | fds |",
         "| - | - | - | - | - | - | - | - | - | - | - | - | - | - | - |",
     ]
@@ -189,14 +225,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
     rows = report["faults"]
     x = list(range(len(rows) + 1))
-    series = {
-        "daemon RSS (MiB)": [report["baseline"]["rss_kib"] / 1024] + [r["leftovers"]["rss_kib"] / 1024 for r in rows],
-        "daemon fds": [report["baseline"]["fds"]] + [r["leftovers"]["fds"] for r in rows],
-        "daemon threads": [report["baseline"]["threads"]] + [r["leftovers"]["threads"] for r in rows],
-        "/dev/shm segments (ours)": [report["baseline"]["shm_segments"]] + [r["leftovers"]["shm_segments"] for r in rows],
-        "Ray actors": [report["baseline"]["actors"]] + [r["leftovers"]["actors"] for r in rows],
-        "placement groups": [report["baseline"]["placement_groups"]] + [r["leftovers"]["placement_groups"] for r in rows],
-    }
+    series = {label: [report["baseline"][key] * scale] + [r["leftovers"][key] * scale for r in rows]
+              for key, label, scale in TREND_SERIES}
     fig, axes = plt.subplots(len(series), 1, figsize=(8, 2.0 * len(series)), sharex=True)
     for ax, (label, ys) in zip(axes, series.items()):
         ax.plot(x, ys, marker=".")
@@ -204,6 +234,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
         ax.set_ylim(bottom=0, top=max(ys) * 1.2 + 1)
         ax.grid(alpha=0.3)
     axes[-1].set_xlabel("faults injected")
+    axes[-1].xaxis.get_major_locator().set_params(integer=True)
     fig.suptitle(f"vllm-supervisor soak: {len(rows)} faults, seed {report['seed']}, TP={report['tp']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -218,12 +249,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=400)
     parser.add_argument("--out", type=Path, default=Path("reports"))
     parser.add_argument("--plot", action="store_true", help="also write chaos-trends.png (matplotlib)")
+    parser.add_argument("--render", type=Path, metavar="REPORT.json", help="only re-render a saved report (Markdown, plot)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.render:
+        report = json.loads(args.render.read_text())
+        (args.out / args.render.with_suffix(".md").name).write_text(render_markdown(report))
+        if args.plot:
+            plot(report, args.out / args.render.with_name(args.render.stem + "-trends.png").name)
+        return 0
     report: dict[str, Any] = {"started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "seed": args.seed, "tp": args.tp}
     soak = Soak(args, Path(tempfile.mkdtemp(prefix="chaos-soak-")))
     try:
         report.update(soak.run())
+    except BaseException:
+        traceback.print_exc()  # now: stopping the Ray head below can make Ray abort this process
+        raise
     finally:
         report["close"] = soak.close()
     (args.out / "chaos-report.json").write_text(json.dumps(report, indent=2))

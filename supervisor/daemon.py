@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import gc
 import json
 import os
 import shutil
@@ -116,6 +117,19 @@ class Generation:
         if self.lingering:
             await asyncio.wait(self.lingering, timeout=timeout_s)
         self.lingering = {t for t in self.lingering if not t.done()}
+
+    def release(self) -> float:
+        """Drop the torn-down engine and collect it now; returns the seconds that took.
+
+        An ``AsyncLLM`` sits in reference cycles with its zmq context (two I/O threads and a
+        reaper), sockets and queues; left to the cyclic GC it goes whenever a full collection
+        happens to run, so threads and fds drift up over recoveries. One collection per
+        recovery (a rare event) returns them at once."""
+        self.engine = None
+        self.pumps.clear()
+        started = time.monotonic()
+        gc.collect()
+        return time.monotonic() - started
 
     def interrupt_streams(self) -> None:
         """Park every request of this generation now. The consumer is told directly: a
@@ -582,6 +596,8 @@ class Supervisor:
             await asyncio.to_thread(self._teardown_generation, old)
             await old.reap_lingering()
             self.current = None
+            log.info("old engine released", engine_generation=old.number, gc_s=round(old.release(), 3),
+                     lingering=len(old.lingering))
             phases["teardown"] = time.monotonic() - t
             ok, detail = await self._bring_up(first=False, phases=phases)
         except Exception as exc:
@@ -635,6 +651,7 @@ class Supervisor:
                 self._doomed.discard(number)
                 await asyncio.to_thread(self._teardown_generation, gen)
                 await gen.reap_lingering()
+                gen.release()
                 if self.state is State.STOPPING:
                     return True, "stopping"
                 self._count_restart("build_failed")

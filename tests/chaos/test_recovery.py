@@ -85,6 +85,7 @@ def last_recovery(daemon: Daemon) -> dict:
 def tp2(tmp_path_factory, ray_head):
     with start_daemon(tmp_path_factory.mktemp("chaos-tp2"), ray_head, tp=2, max_restarts=20) as d:
         d.wait_ready()
+        inject.prepare(ray_head.address)  # so a fault lands mid-stream, not after a first vLLM import
         yield d, reference(d)
 
 
@@ -166,6 +167,7 @@ def test_tp2_stop_leaves_nothing(tp2, ray_head):
 def tp1(tmp_path_factory, ray_head):
     with start_daemon(tmp_path_factory.mktemp("chaos-tp1"), ray_head, tp=1, max_restarts=1, admission_queue_size=2) as d:
         d.wait_ready()
+        inject.prepare(ray_head.address)  # so a fault lands mid-stream, not after a first vLLM import
         yield d, reference(d)
 
 
