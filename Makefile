@@ -43,7 +43,7 @@ chaos: venv
 # process restart, and a 50-fault soak with trend plot. Results: bench/results/.
 bench: venv
 	$(PY) -m pip install --quiet $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e ".[$(FLAVOR),test,bench]"
-	$(PY) -m bench.serving_overhead --rounds 3
+	$(PY) -m bench.serving_overhead --rounds 8
 	$(PY) -m bench.recovery --kills 20 --anchors 3
 	$(PY) -m chaos.soak --faults 50 --seed 11 --tp 2 --plot --out bench/results
 

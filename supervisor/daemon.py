@@ -596,9 +596,8 @@ class Supervisor:
             await asyncio.to_thread(self._teardown_generation, old)
             await old.reap_lingering()
             self.current = None
-            log.info("old engine released", engine_generation=old.number, gc_s=round(old.release(), 3),
-                     lingering=len(old.lingering))
             phases["teardown"] = time.monotonic() - t
+            self._release_soon(old)
             ok, detail = await self._bring_up(first=False, phases=phases)
         except Exception as exc:
             log.exception("recovery failed")
@@ -651,7 +650,7 @@ class Supervisor:
                 self._doomed.discard(number)
                 await asyncio.to_thread(self._teardown_generation, gen)
                 await gen.reap_lingering()
-                gen.release()
+                self._release_soon(gen)
                 if self.state is State.STOPPING:
                     return True, "stopping"
                 self._count_restart("build_failed")
@@ -790,6 +789,17 @@ class Supervisor:
         except Exception as exc:
             log.warning("could not list/kill actors", error=str(exc))
             return []
+
+    def _release_soon(self, gen: Generation, delay_s: float = 2.0) -> None:
+        """Collect a torn-down generation off the recovery's critical path: the full collection
+        holds the GIL for a few hundred ms, and ``delay_s`` after the next build started, that
+        build is waiting for its engine-core process to import vLLM, not for this process."""
+
+        def release() -> None:
+            log.info("old engine released", engine_generation=gen.number, gc_s=round(gen.release(), 3),
+                     lingering=len(gen.lingering))
+
+        asyncio.get_running_loop().call_later(delay_s, release)
 
     def _teardown_generation(self, gen: Generation) -> None:
         from executor.engine import engine_worker_pids, kill_pids, shutdown_engine

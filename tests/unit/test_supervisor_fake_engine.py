@@ -323,6 +323,7 @@ def test_streams_stuck_in_a_dead_engines_abort_are_reaped(tmp_path):
         results = await asyncio.gather(*(collect(sup, [i], 15, kill if i == 0 else None) for i in range(4)))
         assert results == [reference([i], 15) for i in range(4)]
         await wait_for(lambda: not old.lingering)  # nothing still holds the old engine
+        await wait_for(lambda: old.engine is None and not old.pumps)  # and it was let go, then collected
         owner.cancel()
 
     run(scenario())
