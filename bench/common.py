@@ -74,7 +74,7 @@ class VllmServe:
                 self.proc.wait(10)
         # vllm serve leaves a shared-memory segment behind when stopped or when its worker dies
         # (its resource tracker warns "leaked shared_memory"): remove what it made and nobody maps.
-        self.swept = sweep(shm_segments() - self.shm_before)
+        sweep(shm_segments() - self.shm_before)
         return self.proc.returncode
 
 
