@@ -8,6 +8,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 import pytest  # noqa: E402
 
+from chaos import inject  # noqa: E402
 from chaos.harness import RayHead  # noqa: E402
 
 
@@ -19,8 +20,6 @@ def ray_head():
         yield head
     finally:
         try:
-            import ray
-
-            ray.shutdown()  # the test process may have connected to inject faults
+            inject.disconnect()  # the test process may have connected to inject faults
         finally:
             head.stop()

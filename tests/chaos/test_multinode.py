@@ -34,9 +34,7 @@ def cluster():
         yield c, nodes
     finally:
         try:
-            import ray
-
-            ray.shutdown()
+            inject.disconnect()
         finally:
             try:
                 c.shutdown()
