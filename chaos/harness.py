@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -219,6 +220,9 @@ class RayHead:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.marker = uuid.uuid4().hex
+        # A private cluster gets its own token unless the caller set one (a fresh machine has
+        # no ~/.ray/auth_token); the daemons and injectors of this process inherit it.
+        os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
         self.env = dict(os.environ, RAY_AUTH_MODE="token", RAY_USAGE_STATS_ENABLED="0", **{MARKER_ENV: self.marker})
         self.num_cpus = num_cpus
 

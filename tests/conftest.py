@@ -1,10 +1,15 @@
 """Fixtures shared by the integration and chaos tiers."""
 
 import os
+import secrets
 
 # Ray 2.60 clusters use token auth; a client reads RAY_AUTH_MODE when Ray is imported, and
 # vLLM imports Ray, so it has to be set before any test module is loaded.
 os.environ.setdefault("RAY_AUTH_MODE", "token")
+# Token mode needs a token, and a fresh machine has no ~/.ray/auth_token (`ray start` and
+# `ray.cluster_utils.Cluster` refuse to start without one): every cluster this run starts and
+# every client in it (daemons, injectors) share a token made for the run; HOME is not read.
+os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 
 import pytest  # noqa: E402
 

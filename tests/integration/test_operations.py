@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from chaos.harness import BIN, Daemon, free_port
-from chaos.load import PROMPTS, compare, run_with_fault
+from chaos.load import PROMPTS, as_reference, compare, run_with_fault
 
 pytestmark = pytest.mark.integration
 
@@ -126,19 +126,32 @@ def test_real_prometheus_scrapes_the_daemon(daemon, tmp_path):
          f"--web.listen-address=127.0.0.1:{port}"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
+    base = f"http://127.0.0.1:{port}"
+
+    def query(expr: str) -> list | None:
+        """One instant query; None until Prometheus answers 200 (it says 503 while starting)."""
+        try:
+            r = httpx.get(f"{base}/api/v1/query", params={"query": expr}, timeout=5)
+        except httpx.HTTPError:
+            return None
+        return r.json()["data"]["result"] if r.status_code == 200 else None
+
     try:
-        api = f"http://127.0.0.1:{port}/api/v1/query"
         deadline = time.monotonic() + 90
-        up = state = None
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline:  # Prometheus itself ready first
             try:
-                up = httpx.get(api, params={"query": 'up{job="vllm-supervisor"}'}, timeout=5).json()["data"]["result"]
-                state = httpx.get(api, params={"query": 'vllm_supervisor_state{state="ready"}'}, timeout=5).json()["data"]["result"]
-                engine = httpx.get(api, params={"query": 'up{job="vllm"}'}, timeout=5).json()["data"]["result"]
-                if up and state and engine:
+                if httpx.get(f"{base}/-/ready", timeout=5).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
+            time.sleep(0.5)
+        up = state = engine = None
+        while time.monotonic() < deadline:
+            up = query('up{job="vllm-supervisor"}')
+            state = query('vllm_supervisor_state{state="ready"}')
+            engine = query('up{job="vllm"}')
+            if up and state and engine:
+                break
             time.sleep(1)
         assert up and up[0]["value"][1] == "1", up
         assert state and state[0]["value"][1] == "1", state
@@ -196,9 +209,9 @@ def test_ctl_drain_then_resume(daemon):
     assert daemon.get("/readyz").status_code == 200
 
 
-def _reference(daemon) -> dict[str, list[int]]:
+def _reference(daemon) -> dict:
     records, _ = asyncio.run(run_with_fault(daemon.base_url, len(PROMPTS), 300, api_key=KEY))
-    return {r.prompt: r.token_ids for r in records}
+    return as_reference(records)
 
 
 def test_ctl_restart_under_load_loses_nothing(daemon):
