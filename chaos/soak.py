@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 from chaos import inject
 from chaos.harness import Daemon, RayHead, marked_pids, shm_segments
-from chaos.load import PROMPTS, compare, first_token_after, run_with_fault
+from chaos.load import PROMPTS, as_reference, compare, first_token_after, run_with_fault
 from executor.shm import mapped_segments
 
 FAULTS = ["ray_kill", "sigkill_worker", "sigstop_worker", "kill_engine_core", "kill_all_workers", "double_fault"]
@@ -106,7 +106,7 @@ class Soak:
     def run(self) -> dict[str, Any]:
         self.daemon.wait_ready()
         records, _ = asyncio.run(run_with_fault(self.daemon.base_url, len(PROMPTS), self.args.max_tokens))
-        reference = {r.prompt: r.token_ids for r in records}
+        reference = as_reference(records)
         baseline = {"generation": 1, **self.leftovers(1)}
         inject.prepare(self.head.address)  # so the first fault lands mid-stream, not seconds later
         for i in range(self.args.faults):

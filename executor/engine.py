@@ -131,3 +131,15 @@ def kill_pids(pids: list[int]) -> list[int]:
 def kill_engine_workers(engine) -> list[int]:
     """SIGKILL the engine core's worker processes."""
     return kill_pids(engine_worker_pids(engine))
+
+
+def new_detokenizer(tokenizer: Any, prompt_token_ids: list[int], params: Any, request_id: str) -> Any:
+    """vLLM's incremental detokenizer for a request, as the engine's output processor builds
+    it (same class, same tokenizer): the supervisor drives one across a seam."""
+    from types import SimpleNamespace
+
+    from vllm.v1.engine.detokenizer import IncrementalDetokenizer
+
+    request = SimpleNamespace(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
+                              prompt_embeds=None, sampling_params=params)
+    return IncrementalDetokenizer.from_new_request(tokenizer, request)

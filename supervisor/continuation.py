@@ -1,5 +1,6 @@
 """Continuing a request on a new engine: prompt + delivered tokens, the remaining budget,
-the same sampling parameters. Pure logic over vLLM's ``SamplingParams``."""
+the same sampling parameters, and the text across the seam. Pure logic over vLLM's
+``SamplingParams`` and an incremental detokenizer handed in by the caller."""
 
 from __future__ import annotations
 
@@ -21,13 +22,15 @@ def why_not_continuable(params: Any) -> str | None:
         return "presence/frequency penalties count only generated tokens"
     if getattr(params, "seed", None) is not None and (params.temperature or 0) > 0:
         return "seeded sampling cannot resume its random stream"
-    if params.stop:
-        return "stop strings may straddle the resume point"
     return None
 
 
 def continuation_params(params: Any, delivered: int) -> Any:
-    """``params`` for the rest of a request after ``delivered`` tokens reached the client."""
+    """``params`` for the rest of a request after ``delivered`` tokens reached the client.
+
+    After a seam the new engine produces token ids only: stop strings are checked and the
+    text is made by a ``SeamText`` that has seen the whole sequence, so the engine neither
+    detokenizes nor looks for stop strings (its detokenizer would start cold at the seam)."""
     if delivered == 0:
         return copy.deepcopy(params)  # the engine may have mutated the one it was given
     reason = why_not_continuable(params)
@@ -39,4 +42,43 @@ def continuation_params(params: Any, delivered: int) -> Any:
     sub = copy.deepcopy(params)
     sub.max_tokens = remaining
     sub.min_tokens = max(0, (params.min_tokens or 0) - delivered)
+    sub.stop = []
+    sub.output_text_buffer_length = 0
+    sub.detokenize = False
     return sub
+
+
+class SeamText:
+    """The client's text after a seam, from one detokenizer that has seen the original
+    prompt and every token delivered so far (vLLM's own incremental detokenizer, built for
+    the original request). It also checks the original stop strings on the joined text.
+
+    ``detokenizer`` is fresh (built from the original prompt and parameters); it is
+    brought up to the seam by replaying the delivered tokens, and the text it makes of them
+    must equal what the client already received."""
+
+    def __init__(self, detokenizer: Any, delivered_ids: list[int], delivered_text: str):
+        self._detok = detokenizer
+        if delivered_ids:
+            detokenizer.update(list(delivered_ids), False)
+        replayed = detokenizer.get_next_output_text(False, False)
+        if replayed != delivered_text:
+            raise NotContinuable(
+                f"the text delivered so far ({len(delivered_text)} chars) does not replay "
+                f"({len(replayed)} chars)")
+        self._emitted = len(delivered_text)
+
+    def step(self, new_ids: list[int], finish_reason: str | None,
+             stop_reason: Any = None) -> tuple[str, list[int], str | None, Any]:
+        """One engine output after the seam → (text delta, token ids delta, finish reason,
+        stop reason) exactly as the original engine would have produced them. A stop string
+        that completes here finishes the request (the caller stops reading the engine)."""
+        d = self._detok
+        before = d.num_output_tokens()
+        stop_string = d.update(list(new_ids), finish_reason == "stop")
+        ids = list(d.output_token_ids[before:])
+        if stop_string is not None:
+            finish_reason, stop_reason = "stop", stop_string
+        full = d.get_next_output_text(finish_reason is not None, False)
+        text, self._emitted = full[self._emitted:], len(full)
+        return text, ids, finish_reason, stop_reason

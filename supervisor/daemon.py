@@ -33,9 +33,10 @@ from executor.events import WorkerDeathEvent
 from health.metrics import SupervisorMetrics, death_cause
 from health.notify import SystemdNotifier
 from supervisor import logs
-from supervisor.continuation import NotContinuable, continuation_params
+from supervisor.continuation import NotContinuable, SeamText, continuation_params
 from supervisor.policy import RestartIntensity, backoff_s
 from supervisor.states import State, StateMachine
+from supervisor import testhooks
 
 log = logs.get_logger("vllm_supervisor.daemon")
 
@@ -181,6 +182,8 @@ class Supervisor:
         self.in_flight = 0
         self.waiting_new = 0  # new requests queued for admission
         self.parked = 0  # in-flight requests waiting for the next generation
+        self._test_hooks = testhooks.enabled()  # False in production
+        self.held = 0  # streams stopped by that hook
         self.last_output_monotonic = time.monotonic()
         self.last_probe_s: float | None = None
         self.last_probe_ok_wall: float | None = None
@@ -219,9 +222,16 @@ class Supervisor:
 
     async def generate(self, prompt_token_ids: list[int], params: Any, request_id: str) -> AsyncIterator[Any]:
         """Stream ``RequestOutput`` deltas; across a recovery the stream continues on the
-        next engine with prompt + delivered tokens (see ``supervisor.continuation``)."""
+        next engine with prompt + delivered tokens (see ``supervisor.continuation``).
+
+        What the client reads stays exact across the seam: after one, the text and the stop
+        strings come from a ``SeamText`` that has seen the original prompt and every
+        delivered token; the new engine only supplies token ids."""
         pristine = copy.deepcopy(params)
         delivered: list[int] = []
+        delivered_text: list[str] = []
+        seam: SeamText | None = None
+        hold_after = testhooks.hold_midchar_after(params) if self._test_hooks else None
         attempt = 0
         arrived = last = time.monotonic()
         m = self.metrics
@@ -232,13 +242,23 @@ class Supervisor:
                 gen = await self._admit(parked=attempt > 0)
                 try:
                     sub = params if attempt == 0 else continuation_params(pristine, len(delivered))
+                    if delivered and seam is None:
+                        seam = SeamText(self._new_detokenizer(prompt_token_ids, pristine, request_id),
+                                        delivered, "".join(delivered_text))
                 except NotContinuable as exc:
                     self._count_outcome("failed")
                     raise RequestFailed(f"request interrupted by an engine failure and cannot be continued exactly ({exc}); retry it") from None
                 rid = request_id if attempt == 0 else f"{request_id}-c{attempt}"
+                stream = self._pump(gen, {"prompt_token_ids": prompt_token_ids + delivered}, sub, rid)
                 try:
-                    async for out in self._pump(gen, {"prompt_token_ids": prompt_token_ids + delivered}, sub, rid):
-                        ids = out.outputs[0].token_ids
+                    async for out in stream:
+                        c = out.outputs[0]
+                        if seam is not None:
+                            c.text, c.token_ids, c.finish_reason, c.stop_reason = seam.step(
+                                c.token_ids, c.finish_reason, c.stop_reason)
+                            out.prompt_token_ids = prompt_token_ids
+                            out.finished = c.finish_reason is not None
+                        ids = c.token_ids
                         now = time.monotonic()
                         if not delivered:
                             m.ttft.observe(now - arrived)
@@ -246,7 +266,12 @@ class Supervisor:
                             m.itl.observe((now - last) / len(ids))
                         last = now
                         delivered += ids
+                        delivered_text.append(c.text)
                         yield out
+                        if out.finished:
+                            break  # a stop string found across the seam ends the request here
+                        if hold_after is not None and attempt == 0:
+                            await self._maybe_hold(gen, delivered, hold_after)
                     m.e2e.observe(time.monotonic() - arrived)
                     self._count_outcome("continued" if attempt else "ok")
                     return
@@ -256,6 +281,8 @@ class Supervisor:
                     if not _is_engine_death(exc, gen):
                         raise
                     self.post(EngineFailed(gen.number, "engine_dead", f"{type(exc).__name__}: {exc}"))
+                finally:
+                    await stream.aclose()
                 attempt += 1
                 if attempt > self.cfg.continuation_limit:
                     self._count_outcome("failed")
@@ -265,6 +292,25 @@ class Supervisor:
             self.in_flight -= 1
             if self.in_flight == 0:
                 self._idle.set()
+
+    def _new_detokenizer(self, prompt_token_ids: list[int], params: Any, request_id: str) -> Any:
+        from executor.engine import new_detokenizer
+
+        return new_detokenizer(self.tokenizer, prompt_token_ids, params, request_id)
+
+    async def _maybe_hold(self, gen: Generation, delivered: list[int], after: int) -> None:
+        """Test hook (``supervisor.testhooks``): stop a first-engine stream right after a token
+        that ends inside a UTF-8 character, until its engine fails."""
+        if len(delivered) < after or not testhooks.ends_mid_character(self.tokenizer, delivered):
+            return
+        self.held += 1
+        try:
+            while not gen.failed:
+                self._changed.clear()
+                await self._changed.wait()
+        finally:
+            self.held -= 1
+        raise _Interrupted()
 
     async def _pump(self, gen: Generation, prompt: Any, params: Any, request_id: str) -> AsyncIterator[Any]:
         """Run the engine's stream in a task of its own, so a recovery can interrupt it
@@ -988,6 +1034,7 @@ class Supervisor:
             "requests": dict(self.outcomes),
             "recoveries": self.recoveries[-5:],
             "config_error": self.config_error,
+            **({"test_held": self.held} if self._test_hooks else {}),
             "probe": {"consecutive_failures": self.probe_failures, "last_duration_s": self.last_probe_s,
                       "last_success_unix": self.last_probe_ok_wall},
         }

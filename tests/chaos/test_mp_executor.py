@@ -10,7 +10,7 @@ import pytest
 
 from chaos import inject
 from chaos.harness import Daemon
-from chaos.load import PROMPTS, compare, run_with_fault
+from chaos.load import PROMPTS, as_reference, compare, run_with_fault
 
 pytestmark = pytest.mark.integration
 
@@ -23,7 +23,7 @@ def test_mp_worker_sigkill_mid_stream(tmp_path):
     try:
         d.wait_ready()
         ref_records, _ = asyncio.run(run_with_fault(d.base_url, len(PROMPTS), 400))
-        ref = {r.prompt: r.token_ids for r in ref_records}
+        ref = as_reference(ref_records)
         records, info = asyncio.run(run_with_fault(
             d.base_url, 6, 400, lambda: inject.signal_local_worker(d.proc.pid, signal.SIGKILL, index=0)))
         summary = compare(records, ref)

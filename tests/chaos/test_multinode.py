@@ -15,7 +15,7 @@ import pytest
 
 from chaos import inject
 from chaos.harness import Daemon
-from chaos.load import PROMPTS, compare, run_with_fault
+from chaos.load import PROMPTS, as_reference, compare, run_with_fault
 
 pytestmark = pytest.mark.integration
 
@@ -60,7 +60,7 @@ def test_node_loss_waits_for_capacity_then_resumes(tmp_path, cluster):
         workers = inject.workers(c.address)
         assert len({w["node_id"] for w in workers}) == 2, workers  # spread over two nodes
         ref_records, _ = asyncio.run(run_with_fault(d.base_url, len(PROMPTS), MAX_TOKENS))
-        ref = {r.prompt: r.token_ids for r in ref_records}
+        ref = as_reference(ref_records)
         before = status(d)["generation"]
         victim = nodes[1]
         streaming, fault_done = threading.Event(), threading.Event()

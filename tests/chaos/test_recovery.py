@@ -15,7 +15,7 @@ import time
 import pytest
 
 from chaos import inject
-from chaos.load import PROMPTS, compare, run_with_fault
+from chaos.load import PROMPTS, as_reference, compare, run_with_fault
 from executor.shm import mapped_segments
 from chaos.harness import Daemon, RayHead, shm_segments
 
@@ -45,10 +45,8 @@ def wait_state(daemon: Daemon, state: str, timeout_s: float = 240) -> dict:
     raise AssertionError(f"daemon not {state} within {timeout_s} s: {daemon.status()}\n{daemon.tail()}")
 
 
-def reference(daemon: Daemon) -> dict[str, list[int]]:
-    records = asyncio.run(_batch(daemon, len(PROMPTS), None))[0]
-    assert all(r.outcome == "ok" for r in records), [r.error for r in records]
-    return {r.prompt: r.token_ids for r in records}
+def reference(daemon: Daemon) -> dict:
+    return as_reference(asyncio.run(_batch(daemon, len(PROMPTS), None))[0])
 
 
 async def _batch(daemon: Daemon, n: int, fault, offset: int = 0):

@@ -33,7 +33,6 @@ def test_nothing_delivered_resubmits_a_fresh_copy():
         ({"presence_penalty": 0.5}, "penalties"),
         ({"frequency_penalty": 0.5}, "penalties"),
         ({"temperature": 0.7, "seed": 1}, "seeded"),
-        ({"stop": ["\n"]}, "stop strings"),
         ({"structured_outputs": StructuredOutputsParams(regex="[a-z]+")}, "guided"),
     ],
 )
@@ -52,3 +51,11 @@ def test_unseeded_sampling_and_repetition_penalty_are_continuable():
 def test_no_budget_left():
     with pytest.raises(NotContinuable, match="budget"):
         continuation_params(SamplingParams(temperature=0, max_tokens=5), delivered=5)
+
+
+def test_stop_strings_are_continued_by_the_supervisor_not_the_engine():
+    p = SamplingParams(temperature=0, max_tokens=50, stop=["\n", "END"], include_stop_str_in_output=False)
+    assert why_not_continuable(p) is None
+    sub = continuation_params(p, delivered=3)
+    assert sub.stop == [] and sub.output_text_buffer_length == 0 and sub.detokenize is False
+    assert p.stop == ["\n", "END"] and p.detokenize  # the original (used by SeamText) keeps them

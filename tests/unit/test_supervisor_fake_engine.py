@@ -40,6 +40,7 @@ class FakeEngine:
         self.hung = asyncio.Event()
         self.dead = asyncio.Event()
         self.shut = False
+        self.requests_seen: list = []
 
     def get_tokenizer(self):
         return object()
@@ -62,6 +63,7 @@ class FakeEngine:
 
     async def _generate(self, prompt, params):
         ctx = list(prompt["prompt_token_ids"])
+        detok, sent = FakeDetokenizer(params), 0  # like vLLM's output processor
         for i in range(params.max_tokens):
             if self.dead.is_set():
                 raise EngineDeadError()
@@ -72,8 +74,50 @@ class FakeEngine:
                 raise EngineDeadError()
             tok = next_token(ctx)
             ctx.append(tok)
-            done = "length" if i == params.max_tokens - 1 else None
-            yield SimpleNamespace(outputs=[SimpleNamespace(token_ids=[tok], text=f"<{tok}>", finish_reason=done)])
+            self.requests_seen.append(params)
+            stop = detok.update([tok], False)
+            done = "stop" if stop else "length" if i == params.max_tokens - 1 else None
+            full = detok.get_next_output_text(done is not None, False)
+            # A fresh engine's detokenizer is cold at the seam: its text must never reach the client.
+            text, sent = (full[sent:] if params.detokenize else "COLD"), len(full)
+            yield SimpleNamespace(outputs=[SimpleNamespace(token_ids=[tok], text=text, finish_reason=done,
+                                                           stop_reason=stop)],
+                                  finished=done is not None, prompt_token_ids=prompt["prompt_token_ids"])
+            if done:
+                return
+
+
+class FakeDetokenizer:
+    """The part of vLLM's incremental detokenizer that ``SeamText`` drives: token ``t`` reads
+    ``<t>``; stop strings are found on the joined text, whose last ``len(stop) - 1`` characters
+    are held back until the request finishes."""
+
+    def __init__(self, params):
+        self.token_ids: list[int] = []
+        self.output_text = ""
+        self.stop = list(params.stop or [])
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+
+    @property
+    def output_token_ids(self):
+        return self.token_ids
+
+    def num_output_tokens(self):
+        return len(self.token_ids)
+
+    def update(self, new_ids, stop_terminated):
+        for tok in new_ids:
+            self.token_ids.append(tok)
+            self.output_text += f"<{tok}>"
+            for stop in self.stop:
+                at = self.output_text.find(stop)
+                if at >= 0:
+                    self.output_text = self.output_text[:at]
+                    return stop
+        return None
+
+    def get_next_output_text(self, finished, delta):
+        return self.output_text if finished or not self.hold else self.output_text[: -self.hold]
 
 
 class FakeSupervisor(Supervisor):
@@ -106,6 +150,9 @@ class FakeSupervisor(Supervisor):
     def _cleanup_failed_build(self, number):
         pass
 
+    def _new_detokenizer(self, prompt_token_ids, params, request_id):
+        return FakeDetokenizer(params)
+
     def _teardown_generation(self, gen):
         gen.engine.shutdown()
         self.torn_down.append(gen.number)
@@ -131,11 +178,13 @@ async def wait_for(predicate, timeout_s=10.0):
         await asyncio.sleep(0.01)
 
 
-async def collect(sup, prompt, n, on_token=None):
-    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+async def collect(sup, prompt, n, on_token=None, text=None, **params):
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **params)
     got = []
     async for out in sup.generate(prompt, params, "req"):
         got += out.outputs[0].token_ids
+        if text is not None:
+            text.append((out.outputs[0].text, out.outputs[0].finish_reason, out.outputs[0].stop_reason))
         if on_token:
             on_token(len(got))
     return got
@@ -156,8 +205,10 @@ def test_worker_death_mid_stream_continues_exactly(tmp_path):
                 sup.engines[0].die()
                 sup.post(EngineFailed(1, "worker_death", "rank 0 killed"))
 
-        got = await collect(sup, [1, 2, 3], 30, kill_at_7)
+        text = []
+        got = await collect(sup, [1, 2, 3], 30, kill_at_7, text=text)
         assert got == reference([1, 2, 3], 30)
+        assert "".join(t for t, _, _ in text) == "".join(f"<{t}>" for t in got)  # never the cold engine's text
         assert sup.generation_number == 2 and sup.torn_down == [1]
         assert sup.outcomes["continued"] == 1 and sup.restarts["worker_death"] == 1
         assert set(sup.recoveries[0]["phases_s"]) >= {"detect", "drain", "teardown", "placement_group", "engine_start"}
@@ -325,5 +376,37 @@ def test_streams_stuck_in_a_dead_engines_abort_are_reaped(tmp_path):
         await wait_for(lambda: not old.lingering)  # nothing still holds the old engine
         await wait_for(lambda: old.engine is None and not old.pumps)  # and it was let go, then collected
         owner.cancel()
+
+    run(scenario())
+
+
+def test_stop_string_across_the_seam_is_found_on_the_joined_text(tmp_path):
+    """A stop string completes after the seam: the new engine never sees it (it only makes
+    token ids); the supervisor finds it on the joined text, ends the stream there and
+    aborts the engine's request. (A stop string that straddles the seam, with vLLM's
+    hold-back of the text, is in ``test_seam_text``.)"""
+    async def scenario():
+        sup = FakeSupervisor(settings(tmp_path))
+        owner = asyncio.create_task(sup.run())
+        await wait_for(lambda: sup.state is State.READY)
+        want = reference([1, 2, 3], 30)
+        stop = f"{want[8]}><{want[9]}"  # tokens 8 and 9 come from the second engine
+
+        def kill_at_8(n):
+            if n == 8:
+                sup.engines[0].die()
+                sup.post(EngineFailed(1, "worker_death", "rank 0 killed"))
+
+        text = []
+        got = await collect(sup, [1, 2, 3], 30, kill_at_8, text=text, stop=[stop])
+        joined = "".join(f"<{t}>" for t in want[:10])
+        assert got == want[:10]
+        assert "".join(t for t, _, _ in text) == joined[: joined.index(stop)]
+        assert text[-1][1:] == ("stop", stop)
+        resumed = sup.engines[1].requests_seen[0]
+        assert resumed.stop == [] and not resumed.detokenize
+        assert sup.outcomes["continued"] == 1
+        sup.post(SignalReceived(signal.SIGTERM))
+        assert await owner == 0
 
     run(scenario())

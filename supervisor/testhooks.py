@@ -1,0 +1,60 @@
+"""Deterministic fault points for the chaos tier; inert unless the daemon is started with
+``VLLM_SUPERVISOR_TEST_HOOKS=1``.
+
+Hold at a mid-character token: a request that carries
+``vllm_xargs={"supervisor_test_hold_midchar": N}`` stops on its first engine, once at least
+``N`` tokens reached the client, right after the first token whose bytes end inside a UTF-8
+character, and waits there until its engine fails (``/readyz?verbose`` counts the streams
+held as ``test_held``). A test kills a worker when every request is held, so every seam
+falls inside a multi-byte character. Only for byte-level BPE tokenizers (the demo model's)."""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from typing import Any
+
+ENV = "VLLM_SUPERVISOR_TEST_HOOKS"
+HOLD_MIDCHAR = "supervisor_test_hold_midchar"
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "") == "1"
+
+
+def hold_midchar_after(params: Any) -> int | None:
+    """The request's hold threshold (tokens), or None."""
+    value = (getattr(params, "extra_args", None) or {}).get(HOLD_MIDCHAR)
+    return int(value) if isinstance(value, (int, float, str)) and str(value).isdigit() else None
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: printable stand-in character → byte."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+def ends_mid_character(tokenizer: Any, token_ids: list[int]) -> bool:
+    """Whether the bytes of ``token_ids`` end with an incomplete (but so far valid) UTF-8
+    sequence: a lead byte followed by fewer continuation bytes than it announces."""
+    decoder = _byte_decoder()
+    tail = bytearray()
+    for token in tokenizer.convert_ids_to_tokens(token_ids[-4:]):
+        if token is None or any(ch not in decoder for ch in token):
+            return False  # special or non-byte-level token
+        tail += bytes(decoder[ch] for ch in token)
+    for back in range(1, min(4, len(tail)) + 1):
+        byte = tail[-back]
+        if byte & 0xC0 == 0x80:  # continuation byte: keep looking for the lead
+            continue
+        need = 2 if byte & 0xE0 == 0xC0 else 3 if byte & 0xF0 == 0xE0 else 4 if byte & 0xF8 == 0xF0 else 0
+        return need > back
+    return False
