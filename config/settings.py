@@ -32,7 +32,8 @@ class ConfigError(Exception):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # validate_default: defaults go through the validators too (``data_dir``'s ``~`` is expanded).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, validate_default=True)
 
 
 class EngineSettings(_Section):

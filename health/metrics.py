@@ -32,14 +32,16 @@ PROBE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
 def death_cause(text: str) -> str:
-    """Coarse category of Ray's death-cause text."""
+    """Coarse category of Ray's death-cause text. Ray appends a list of "potential root
+    causes" to some messages ("killed by SIGKILL by OOM killer", "ray stop --force", …), so
+    its definite statements are matched first."""
     t = text.lower()
-    if "ray.kill" in t or "killed by" in t:
+    if "killed by `ray.kill`" in t or "ray.kill" in t:
         return "killed"
-    if "out of memory" in t or "oom" in t:
-        return "oom"
-    if "node" in t and ("dead" in t or "died" in t or "removed" in t):
+    if "node has died" in t or "node was terminated" in t or ("node" in t and "removed" in t):
         return "node_lost"
+    if "out of memory" in t or "low on memory" in t or "memory monitor" in t:
+        return "oom"
     if "exit" in t or "sigkill" in t or "terminated" in t or "died unexpectedly" in t:
         return "exited"
     return "unknown"

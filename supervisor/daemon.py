@@ -202,6 +202,7 @@ class Supervisor:
         self._shm_before_build: set[str] = set()
         self._reach_check: asyncio.Future | None = None
         self._recovery: asyncio.Task | None = None
+        self._active_record: dict[str, Any] | None = None  # the recovery under way
         self._tasks: set[asyncio.Task] = set()
         self.runtime_dir = Path(os.environ.get("RUNTIME_DIRECTORY") or tempfile.mkdtemp(prefix="vllm-supervisor-"))
         self._own_runtime_dir = "RUNTIME_DIRECTORY" not in os.environ
@@ -461,6 +462,8 @@ class Supervisor:
             log.error("engine failed while starting", failed_generation=event.generation, cause=event.reason, detail=event.detail)
             self._doomed.add(event.generation)
             return
+        if self._refine_cause(event):
+            return
         gen = self.current
         if gen is None or event.generation != gen.number or gen.failed:
             log.info("ignoring failure of a retired generation", failed_generation=event.generation, cause=event.reason)
@@ -475,7 +478,33 @@ class Supervisor:
                   detect_ms=round((time.monotonic() - event.detected_monotonic) * 1000, 1))
         self.machine.transition(State.RECOVERING, f"{event.reason}: {event.detail[:200]}")
         gen.interrupt_streams()  # park every in-flight request
+        self._begin_record(gen, event)
         self._recovery = self._spawn(self._recover(gen, event))
+
+    def _begin_record(self, old: Generation, event: EngineFailed) -> dict[str, Any]:
+        """The record of the recovery from ``old``; open (``_refine_cause`` may still sharpen
+        its cause) until the recovery ends."""
+        self._active_record = {"reason": event.reason, "detail": event.detail[:300], "from_generation": old.number,
+                               "detected_monotonic": event.detected_monotonic, "phases_s": {},
+                               # from the whole of Ray's death cause (the detail is cut short)
+                               "cause": death_cause(event.detail) if event.reason == "worker_death" else None}
+        return self._active_record
+
+    def _refine_cause(self, event: EngineFailed) -> bool:
+        """A worker-death report that lost the race to an ``EngineDeadError`` of a request
+        (the engine core fails as its worker dies) names the same failure more precisely:
+        the recovery under way takes its reason, ranks and cause. Only reports detected
+        before that recovery's teardown began (which kills the workers itself) count."""
+        rec = self._active_record
+        if (event.reason != "worker_death" or rec is None or rec["from_generation"] != event.generation
+                or rec["reason"] != "engine_dead" or event.detected_monotonic >= rec.get("teardown_monotonic", float("inf"))):
+            return False
+        rec.update(reason="worker_death", detail=event.detail[:300], refined_from="engine_dead",
+                   cause=death_cause(event.detail))
+        self.metrics.worker_deaths.labels(death_cause(event.detail)).inc()
+        self.metrics.workers(up=False, ranks=event.ranks)
+        log.info("failure cause refined", cause="worker_death", detail=event.detail[:300])
+        return True
 
     # --- operator commands and reload ------------------------------------------------------
 
@@ -581,8 +610,9 @@ class Supervisor:
         old, self.settings = self.settings, new
         self.cfg = new.supervisor
         self.intensity.max_restarts, self.intensity.window_s = self.cfg.max_restarts, self.cfg.restart_window_s
-        if new.server != old.server or new.ray != old.ray:
-            log.warning("server and ray settings take effect at the next daemon start")
+        # server.api_key and server.max_body_bytes are read per request: they apply at once.
+        if (new.server.host, new.server.port) != (old.server.host, old.server.port) or new.ray != old.ray:
+            log.warning("server.host, server.port and ray settings take effect at the next daemon start")
         if new.engine == old.engine:
             log.info("config reloaded (no engine change)")
             return
@@ -628,17 +658,18 @@ class Supervisor:
 
     async def _recover(self, old: Generation, event: EngineFailed) -> None:
         started = time.monotonic()
-        phases: dict[str, float] = {"detect": max(0.0, started - event.detected_monotonic)}
-        record: dict[str, Any] = {"reason": event.reason, "detail": event.detail[:300], "from_generation": old.number,
-                                  "detected_monotonic": event.detected_monotonic, "phases_s": phases}
-        self._count_restart(event.reason)
+        record = self._active_record
+        if record is None or record["from_generation"] != old.number:
+            record = self._begin_record(old, event)
+        phases: dict[str, float] = record["phases_s"]
+        phases["detect"] = max(0.0, started - event.detected_monotonic)
         try:
             t = time.monotonic()
             if event.kill_workers:  # a hang: the stuck workers go first (SIGKILL works on stopped ones)
                 await asyncio.to_thread(self._kill_stuck_workers, old)
             await self._drain_pumps(old)
             phases["drain"] = time.monotonic() - t
-            t = time.monotonic()
+            t = record["teardown_monotonic"] = time.monotonic()
             await asyncio.to_thread(self._teardown_generation, old)
             await old.reap_lingering()
             self.current = None
@@ -650,6 +681,8 @@ class Supervisor:
             ok, detail = False, f"recovery failed: {type(exc).__name__}: {exc}"
         record.update(ok=ok, total_s=time.monotonic() - started, to_generation=self.generation_number,
                       ready_monotonic=time.monotonic())
+        self._active_record = None
+        self._count_restart(record["reason"])
         self.recoveries.append(record)
         if ok:
             self.metrics.recovery(record["total_s"] + phases["detect"], phases)
@@ -908,7 +941,7 @@ class Supervisor:
             await asyncio.sleep(self.cfg.probe_interval_s)
             gen = self.current
             if self.state is not State.READY or gen is None or gen.failed:
-                failures = 0
+                failures = self.probe_failures = 0  # a new generation starts with a clean slate
                 continue
             try:
                 problem = await self._probe(gen)

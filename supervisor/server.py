@@ -79,13 +79,13 @@ class UvicornServer(uvicorn.Server):
 
 def build_app(sup: Supervisor) -> FastAPI:
     app = FastAPI(title="vllm-supervisor", docs_url=None, redoc_url=None, openapi_url=None)
-    max_body = sup.settings.server.max_body_bytes
 
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
         return error_response(exc.status, str(exc), exc.type, exc.param, exc.headers)
 
     async def read_json(request: Request) -> dict[str, Any]:
+        max_body = sup.settings.server.max_body_bytes  # per request: a reload applies at once
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > max_body:
             raise ApiError(413, f"request body larger than {max_body} bytes")
@@ -109,6 +109,17 @@ def build_app(sup: Supervisor) -> FastAPI:
             raise ApiError(400, f"{where}: {first['msg']}", param=where or None) from None
         except Exception as exc:  # vLLM's own validators raise VLLMValidationError (not a ValueError)
             raise ApiError(400, str(exc), param=getattr(exc, "parameter", None)) from None
+
+    def sampling_params(build: Any) -> Any:
+        """``req.to_sampling_params(...)``: vLLM validates the values here (``temperature: -1``,
+        ``top_p: 2``, …); a rejected value is the client's error, named."""
+        try:
+            return build()
+        except ApiError:
+            raise
+        except Exception as exc:
+            param = getattr(exc, "parameter", None)
+            raise ApiError(400, f"{param + ': ' if param else ''}{exc}", param=param) from None
 
     def check_auth(request: Request) -> None:
         key = sup.settings.server.api_key
@@ -194,7 +205,7 @@ def build_app(sup: Supervisor) -> FastAPI:
         else:
             raise ApiError(400, "prompt must be one string or one list of token ids", param="prompt")
         max_tokens = budget(len(prompt_ids), req.max_tokens)
-        params = req.to_sampling_params(max_tokens)
+        params = sampling_params(lambda: req.to_sampling_params(max_tokens))
         params.output_kind = RequestOutputKind.DELTA
         request_id = f"cmpl-{uuid.uuid4().hex}"
         model = sup.served_model_name
@@ -248,7 +259,7 @@ def build_app(sup: Supervisor) -> FastAPI:
         prompt_ids = sup.tokenizer.encode(prompt_text, add_special_tokens=False)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = budget(len(prompt_ids), requested)
-        params = req.to_sampling_params(max_tokens, {})
+        params = sampling_params(lambda: req.to_sampling_params(max_tokens, {}))
         params.output_kind = RequestOutputKind.DELTA
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         model = sup.served_model_name
