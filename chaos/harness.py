@@ -72,13 +72,15 @@ def marked_pids(marker: str) -> list[int]:
 class Daemon:
     """One daemon subprocess, its config, its log and its leftovers."""
 
-    def __init__(self, workdir: Path, config: dict[str, dict[str, Any]], env: dict[str, str] | None = None):
+    def __init__(self, workdir: Path, config: dict[str, dict[str, Any]], env: dict[str, str] | None = None,
+                 shared_data_dir: bool = True):
         self.workdir = workdir
         self.port = free_port()
         self.marker = uuid.uuid4().hex
         config = {k: dict(v) for k, v in config.items()}
         config.setdefault("server", {}).update(port=self.port, host="127.0.0.1")
-        config.setdefault("supervisor", {}).setdefault("data_dir", str(data_dir()))
+        if shared_data_dir:  # else the daemon's own default (under its HOME) applies
+            config.setdefault("supervisor", {}).setdefault("data_dir", str(data_dir()))
         self.config_path = write_toml(workdir / "daemon.toml", config)
         self.log_path = workdir / "daemon.log"
         inherited = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
@@ -166,7 +168,7 @@ class Daemon:
         deadline = time.monotonic() + 10
         while marked_pids(self.marker) and time.monotonic() < deadline:
             time.sleep(0.2)
-        sweep(shm_segments() - self.shm_before)
+        sweep(self.new_segments())
 
     def log_lines(self) -> list[dict]:
         out = []
@@ -181,12 +183,21 @@ class Daemon:
     def tail(self, n: int = 60) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
+    def new_segments(self) -> set[str]:
+        """``/dev/shm`` segments that appeared since this daemon started and that no process
+        outside it holds: another daemon's live rings (a parallel test, another module's
+        fixture) are not this daemon's leftovers."""
+        from executor.shm import mapped_segments
+
+        ours = {self.proc.pid, *marked_pids(self.marker)}
+        return (shm_segments() - self.shm_before) - mapped_segments(exclude_pids=ours)
+
     def assert_nothing_left(self, settle_s: float = 15) -> None:
-        """No descendant processes and no new shared-memory segments remain."""
+        """No descendant processes and no new shared-memory segments of ours remain."""
         deadline = time.monotonic() + settle_s
         while True:
             pids = marked_pids(self.marker)
-            shm = shm_segments() - self.shm_before
+            shm = self.new_segments()
             if not pids and not shm:
                 return
             if time.monotonic() > deadline:

@@ -33,6 +33,7 @@ class RequestRecord:
     stop: list[str] | None = None
     system: str | None = None  # chat: a system message before the user's
     hold: int | None = None  # test hook: hold at a mid-character token after this many tokens
+    extra: dict[str, Any] = field(default_factory=dict)  # more request fields (e.g. presence_penalty)
     outcome: str = "pending"  # ok | error
     error: str = ""
     status: int | None = None
@@ -67,7 +68,7 @@ def _ids(obj: Any) -> list[int]:
 async def stream_one(api: openai.AsyncOpenAI, model: str, record: RequestRecord) -> RequestRecord:
     """Send one request as ``record`` describes it; fill in what the client read."""
     record.started = time.monotonic()
-    extra: dict[str, Any] = {"ignore_eos": True}
+    extra: dict[str, Any] = {"ignore_eos": True, **record.extra}
     if record.hold is not None:
         extra["vllm_xargs"] = {"supervisor_test_hold_midchar": record.hold}
     common = dict(model=model, max_tokens=record.max_tokens, temperature=0, stop=record.stop)
@@ -178,7 +179,7 @@ async def run_with_fault(
     ready_for_fault=None,
 ) -> tuple[list[RequestRecord], Any]:
     """Run ``n`` requests (or ``records``); once every stream has ``min_tokens_before_fault``
-    tokens (or ``ready_for_fault()`` says so), call ``fault()`` in a thread (so it may block on
+    chunks (or ``ready_for_fault()`` says so), call ``fault()`` in a thread (so it may block on
     Ray). Returns the records and what ``fault()`` returned."""
     api = client(base_url, api_key)
     records = records if records is not None else specs(n, max_tokens, offset)
@@ -191,7 +192,7 @@ async def run_with_fault(
             async def ready() -> bool:
                 if ready_for_fault is not None:  # may ask the daemon: off the event loop
                     return await asyncio.to_thread(ready_for_fault)
-                return all(len(r.token_ids) >= min_tokens_before_fault for r in records)
+                return all(len(r.chunk_times) >= min_tokens_before_fault for r in records)  # chat has no ids
 
             while not await ready():
                 if time.monotonic() > deadline or all(t.done() for t in tasks):

@@ -2,6 +2,8 @@
 
 import os
 import secrets
+import socket
+import threading
 
 # Ray 2.60 clusters use token auth; a client reads RAY_AUTH_MODE when Ray is imported, and
 # vLLM imports Ray, so it has to be set before any test module is loaded.
@@ -28,3 +30,29 @@ def ray_head():
             inject.disconnect()  # the test process may have connected to inject faults
         finally:
             head.stop()
+
+
+@pytest.fixture(scope="module")
+def notify_socket(tmp_path_factory):
+    """A real AF_UNIX datagram socket standing in for systemd's NOTIFY_SOCKET, read
+    continuously (like systemd) by a thread; yields (path, list of messages)."""
+    path = str(tmp_path_factory.mktemp("notify") / "notify.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(path)
+    sock.settimeout(0.2)
+    messages: list[str] = []
+    stop = threading.Event()
+
+    def read() -> None:
+        while not stop.is_set():
+            try:
+                messages.append(sock.recv(65536).decode())
+            except socket.timeout:
+                continue
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    yield path, messages
+    stop.set()
+    reader.join(5)
+    sock.close()

@@ -36,7 +36,8 @@ def daemon(tmp_path_factory, ray_head):
     config = {
         "engine": {"tensor_parallel_size": 1, "max_model_len": 1024},
         "ray": {"address": ray_head.address},
-        "supervisor": {"max_restarts": 20, "probe_interval_s": 1.0, "restart_backoff_initial_s": 0.2},
+        "supervisor": {"max_restarts": 20, "probe_interval_s": 1.0, "restart_backoff_initial_s": 0.2,
+                       "continuation_limit": 2},
     }
     with Daemon(tmp_path_factory.mktemp("client-text"), config, env={"VLLM_SUPERVISOR_TEST_HOOKS": "1"}).start() as d:
         d.wait_ready()
@@ -110,8 +111,68 @@ def test_two_kills_per_round_client_text_equals_a_fault_free_run(daemon, ray_hea
           f"in flight at the second: {info['in_flight_at_second']}, continued: {continued}, text mismatches: 0")
 
 
-def test_stop_leaves_nothing(daemon, ray_head):
-    code, _ = daemon.stop(signal.SIGTERM)
-    assert code == 0, daemon.tail()
+def test_continuation_limit_and_non_continuable_requests_through_real_kills(daemon, ray_head):
+    """Three kills under the same requests with ``continuation_limit = 2``: requests with a
+    presence penalty cannot be continued exactly and end at the first kill with a clear
+    retriable error (an error event when streamed, 503 + Retry-After when not); greedy ones
+    are continued twice and end with an error at the third."""
+    long = 900
+    requests = specs(4, long, mixed=False, hold=HOLD_AFTER)
+    requests[1].stream = requests[3].stream = False
+    penalized = {2, 3}
+    for i in penalized:
+        requests[i].extra = {"presence_penalty": 0.5}
+    before = daemon.status()["generation"]
+
+    def all_held() -> bool:
+        s = daemon.status()
+        return s["test_held"] == 4
+
+    def three_kills() -> dict:
+        for k in range(3):
+            if k:
+                daemon.wait_generation(before + k, timeout_s=240)
+                time.sleep(0.3)
+            inject.kill_worker(ray_head.address, rank=0)
+        return {}
+
+    records, _ = asyncio.run(run_with_fault(daemon.base_url, 4, long, three_kills, records=requests,
+                                            ready_for_fault=all_held))
+    daemon.wait_generation(before + 3, timeout_s=240)
+    for r in records:
+        assert r.outcome == "error", (r.index, r.finish_reason, len(r.token_ids))
+        if r.index in penalized:
+            assert "cannot be continued exactly" in r.error and "penalties" in r.error, r.error
+        else:
+            assert "interrupted 3 times" in r.error and "limit 2" in r.error, r.error
+        if not r.stream:
+            assert r.status == 503, r
+        else:
+            assert r.text  # what was delivered before the error stays delivered
+
+
+def test_sigterm_drains_running_streams_and_rejects_new_ones(daemon, ray_head, requests_and_reference):
+    """SIGTERM with streams running: they finish in full (the drain), a request arriving
+    while STOPPING gets 503 + Retry-After, the daemon exits 0 and leaves nothing."""
+    requests, ref = requests_and_reference
+    streamed = [r for r in fresh(requests, None) if r.stream and not r.stop][:4]
+    late: dict = {}
+
+    def sigterm_then_new_request() -> dict:
+        daemon.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while daemon.status()["state"] != "stopping":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        r = daemon.post("/v1/completions", json={"prompt": "late", "max_tokens": 4})
+        late.update(status=r.status_code, retry_after=r.headers.get("retry-after"), body=r.json())
+        return {}
+
+    records, _ = asyncio.run(run_with_fault(daemon.base_url, len(streamed), MAX_TOKENS, sigterm_then_new_request,
+                                            records=streamed))
+    summary = compare(records, ref)
+    assert summary["failed"] == 0 and summary["mismatched"] == 0, summary
+    assert late["status"] == 503 and int(late["retry_after"]) > 0 and "stopping" in late["body"]["error"]["message"]
+    assert daemon.proc.wait(120) == 0, daemon.tail()
     daemon.assert_nothing_left()
     assert inject.inspect(ray_head.address) == {"placement_groups": [], "actors": []}

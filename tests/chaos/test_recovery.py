@@ -71,6 +71,20 @@ def assert_clean_generation(daemon: Daemon, ray_head: RayHead, before: int) -> N
     assert not {n for n in leaked if not n.startswith("sem.")}, leaked
 
 
+def assert_process_gone(pid: int, timeout_s: float = 30) -> None:
+    """A stopped (hung) worker was killed, not left frozen."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                if fh.read().split(")")[-1].split()[0] == "Z":
+                    return
+        except FileNotFoundError:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"stopped worker {pid} still alive")
+
+
 def last_recovery(daemon: Daemon) -> dict:
     return daemon.status()["recoveries"][-1]
 
@@ -120,33 +134,63 @@ def test_tp2_second_kill_while_recovering(tp2, ray_head):
     assert_clean_generation(daemon, ray_head, before + 1)
 
 
-def test_tp2_sigstop_hang_is_detected_and_recovered(tp2, ray_head):
+def one_fault(tp2, ray_head, fault) -> tuple[dict, dict]:
+    """6 streams, ``fault()`` mid-stream: every text exact, a clean next generation.
+    Returns what the fault returned and the recovery's record."""
     daemon, ref = tp2
     before = daemon.status()["generation"]
-    records, info = asyncio.run(_batch(daemon, 6, lambda: inject.signal_worker(ray_head.address, signal.SIGSTOP, rank=0)))
+    records, info = asyncio.run(_batch(daemon, 6, fault))
     assert_all_exact(records, ref)
     assert_clean_generation(daemon, ray_head, before)
-    assert last_recovery(daemon)["reason"] == "hang"
-    deadline = time.monotonic() + 30  # the stopped worker was killed, not left frozen
-    while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{info['pid']}/stat") as fh:
-                if fh.read().split(")")[-1].split()[0] == "Z":
-                    break
-        except FileNotFoundError:
-            break
-        time.sleep(0.2)
-    else:
-        raise AssertionError(f"stopped worker {info['pid']} still alive")
+    return info, last_recovery(daemon)
+
+
+def test_tp2_sigstop_hang_is_detected_and_recovered(tp2, ray_head):
+    info, rec = one_fault(tp2, ray_head, lambda: inject.signal_worker(ray_head.address, signal.SIGSTOP, rank=0))
+    assert rec["reason"] == "hang" and "no token for" in rec["detail"], rec
+    assert_process_gone(info["pid"])
 
 
 def test_tp2_sigkill_engine_core(tp2, ray_head):
+    daemon, _ = tp2
+    _, rec = one_fault(tp2, ray_head, lambda: inject.kill_engine_core(daemon.proc.pid))
+    assert rec["reason"] == "engine_dead", rec  # the executor died with it: no worker report
+
+
+def test_tp2_sigkill_of_a_worker_process(tp2, ray_head):
+    _, rec = one_fault(tp2, ray_head, lambda: inject.signal_worker(ray_head.address, signal.SIGKILL, rank=0))
+    assert rec["reason"] == "worker_death" and "rank(s) [0]" in rec["detail"] and rec["cause"] == "exited", rec
+
+
+def test_tp2_kill_all_workers(tp2, ray_head):
+    info, rec = one_fault(tp2, ray_head, lambda: inject.kill_all_workers(ray_head.address))
+    assert len(info["killed"]) == 2
+    assert rec["reason"] == "worker_death" and rec["cause"] == "killed", rec
+
+
+def test_tp2_hang_while_idle_is_found_by_the_canary(tp2, ray_head):
+    """No request running: the one-token canary times out, ``/readyz`` turns 503 while the
+    state is still READY (a failing probe), then the threshold makes it a hang recovery."""
     daemon, ref = tp2
     before = daemon.status()["generation"]
-    records, _ = asyncio.run(_batch(daemon, 6, lambda: inject.kill_engine_core(daemon.proc.pid)))
+    info = inject.signal_worker(ray_head.address, signal.SIGSTOP, rank=1)
+    deadline = time.monotonic() + 60
+    while True:
+        r = daemon.get("/readyz?verbose")
+        body = r.json()
+        if r.status_code == 503 and body["state"] == "ready":
+            assert body["probe"]["consecutive_failures"] >= 1, body
+            break
+        assert body["state"] == "ready" and time.monotonic() < deadline, body
+        time.sleep(0.1)
+    s = daemon.wait_generation(before + 1, timeout_s=240)
+    rec = s["recoveries"][-1]
+    assert rec["reason"] == "hang" and "canary" in rec["detail"], rec
+    assert daemon.get("/readyz").status_code == 200
+    records, _ = asyncio.run(_batch(daemon, 4, None))
     assert_all_exact(records, ref)
     assert_clean_generation(daemon, ray_head, before)
-    assert last_recovery(daemon)["reason"] in ("engine_dead", "worker_death")
+    assert_process_gone(info["pid"])
 
 
 def test_tp2_stop_leaves_nothing(tp2, ray_head):
@@ -163,7 +207,7 @@ def test_tp2_stop_leaves_nothing(tp2, ray_head):
 
 @pytest.fixture(scope="module")
 def tp1(tmp_path_factory, ray_head):
-    with start_daemon(tmp_path_factory.mktemp("chaos-tp1"), ray_head, tp=1, max_restarts=1, admission_queue_size=2) as d:
+    with start_daemon(tmp_path_factory.mktemp("chaos-tp1"), ray_head, tp=1, admission_queue_size=2) as d:
         d.wait_ready()
         inject.prepare(ray_head.address)  # so a fault lands mid-stream, not after a first vLLM import
         yield d, reference(d)
@@ -198,13 +242,18 @@ def test_tp1_kill_with_arrivals_during_recovery(tp1, ray_head):
     assert daemon.status()["requests"]["continued"] >= 6
 
 
-def test_tp1_restart_intensity_exhausted_exits_3_and_leaves_nothing(tp1, ray_head):
-    daemon, _ = tp1
-    records, _ = asyncio.run(_batch(daemon, 4, lambda: inject.kill_worker(ray_head.address, rank=0)))
-    assert all(r.outcome == "error" for r in records)
-    assert all("retry" in r.error for r in records), [r.error for r in records]
-    code = daemon.proc.wait(120)
-    assert code == 3, daemon.tail()
-    assert any("restart intensity exceeded" in (line.get("reason") or "") for line in daemon.log_lines())
-    daemon.assert_nothing_left()
-    assert inject.inspect(ray_head.address) == {"placement_groups": [], "actors": []}
+def test_restart_intensity_exhausted_exits_3_and_leaves_nothing(tmp_path, ray_head):
+    """Its own daemon with a budget of zero restarts: the first kill exhausts it, whatever
+    ran before."""
+    with start_daemon(tmp_path, ray_head, tp=1, max_restarts=0) as daemon:
+        daemon.wait_ready()
+        inject.prepare(ray_head.address)
+        ours = f"vsup{daemon.proc.pid}x"  # the daemon id in its actor and placement group names
+        records, _ = asyncio.run(_batch(daemon, 4, lambda: inject.kill_worker(ray_head.address, rank=0, match=ours)))
+        assert all(r.outcome == "error" for r in records)
+        assert all("retry" in r.error for r in records), [r.error for r in records]
+        code = daemon.proc.wait(120)
+        assert code == 3, daemon.tail()
+        assert any("restart intensity exceeded" in (line.get("reason") or "") for line in daemon.log_lines())
+        daemon.assert_nothing_left()
+        assert inject.inspect(ray_head.address, match=ours) == {"placement_groups": [], "actors": []}

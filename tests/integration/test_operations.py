@@ -38,13 +38,17 @@ def ensure_prometheus() -> None:
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
+def daemon(tmp_path_factory, notify_socket):
     workdir = tmp_path_factory.mktemp("ops")
     config = {"engine": {"tensor_parallel_size": 1, "max_model_len": 1024},
               "server": {"api_key": KEY, "max_body_bytes": 65536},
-              "supervisor": {"drain_timeout_s": 20, "probe_interval_s": 1.0}}
-    with Daemon(workdir, config).start() as d:
-        d.socket = f"/tmp/vllm-supervisor-{d.port}.sock"
+              # A short drain: requests still running when it ends are continued on the new
+              # engine, which is what the restart and reload tests below are about.
+              "supervisor": {"drain_timeout_s": 0.5, "probe_interval_s": 1.0,
+                             "control_socket": str(workdir / "control.sock")}}
+    with Daemon(workdir, config, env={"NOTIFY_SOCKET": notify_socket[0]}).start() as d:
+        d.notify = notify_socket[1]
+        d.socket = str(workdir / "control.sock")
         d.wait_ready()
         yield d
 
@@ -209,19 +213,39 @@ def test_ctl_drain_then_resume(daemon):
     assert daemon.get("/readyz").status_code == 200
 
 
+LONG = 600  # tokens: the requests outlive the 0.5 s drain
+
+
 def _reference(daemon) -> dict:
-    records, _ = asyncio.run(run_with_fault(daemon.base_url, len(PROMPTS), 300, api_key=KEY))
+    records, _ = asyncio.run(run_with_fault(daemon.base_url, len(PROMPTS), LONG, api_key=KEY))
     return as_reference(records)
+
+
+def metric(daemon, name: str, **labels: str) -> float:
+    """One sample of the daemon's /metrics (0 when absent)."""
+    sel = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    m = re.search(rf"^{re.escape(name)}{re.escape('{' + sel + '}') if sel else ''} (\S+)$",
+                  daemon.get("/metrics").text, re.M)
+    return float(m.group(1)) if m else 0.0
 
 
 def test_ctl_restart_under_load_loses_nothing(daemon):
     ref = _reference(daemon)
     before = status(daemon)["generation"]
-    records, _ = asyncio.run(run_with_fault(daemon.base_url, 6, 300, lambda: ctl(daemon, "restart"), api_key=KEY))
+    continued = metric(daemon, "vllm_supervisor_requests_total", outcome="continued")
+    records, _ = asyncio.run(run_with_fault(daemon.base_url, 6, LONG, lambda: ctl(daemon, "restart"), api_key=KEY))
     summary = compare(records, ref)
     assert summary["failed"] == 0 and summary["mismatched"] == 0, summary
     s = daemon.wait_generation(before + 1)
     assert s["restarts"].get("operator") == 1
+    # The drain ended with requests running: they were continued on the new engine, not
+    # finished on the old one; and the series count this recovery (not just exist).
+    assert metric(daemon, "vllm_supervisor_requests_total", outcome="continued") - continued == 6
+    assert metric(daemon, "vllm_supervisor_restarts_total", reason="operator") == 1
+    for phase in ("drain", "teardown", "placement_group", "engine_start"):
+        assert metric(daemon, "vllm_supervisor_recovery_phase_duration_seconds_count", phase=phase) >= 1, phase
+    assert metric(daemon, "vllm_supervisor_recovery_duration_seconds_count") >= 1
+    assert metric(daemon, "vllm_supervisor_engine_generation") == before + 1
 
 
 def test_ctl_kill_worker_drill_recovers(daemon):
@@ -259,12 +283,43 @@ def test_sighup_engine_change_rebuilds_behind_a_drain(daemon):
     def reload():
         daemon.proc.send_signal(signal.SIGHUP)
 
-    records, _ = asyncio.run(run_with_fault(daemon.base_url, 4, 300, reload, api_key=KEY))
-    assert all(r.outcome == "ok" and r.usage_completion_tokens == 300 for r in records), [r.error for r in records]
+    continued = metric(daemon, "vllm_supervisor_requests_total", outcome="continued")
+    records, _ = asyncio.run(run_with_fault(daemon.base_url, 4, LONG, reload, api_key=KEY))
+    assert all(r.outcome == "ok" and r.usage_completion_tokens == LONG for r in records), [r.error for r in records]
     s = daemon.wait_generation(before + 1)
+    assert metric(daemon, "vllm_supervisor_requests_total", outcome="continued") - continued == 4
+    # systemd saw the reload: RELOADING=1 with MONOTONIC_USEC, then READY=1 when the new engine serves.
+    messages = list(daemon.notify)
+    reloading = [i for i, m in enumerate(messages) if m.startswith("RELOADING=1")]
+    assert len(reloading) == 1 and "MONOTONIC_USEC=" in messages[reloading[0]], messages
+    assert any(m.startswith("READY=1") and f"generation {before + 1}" in m for m in messages[reloading[0]:]), messages
     assert s["config_error"] == "" and s["restarts"].get("reload") == 1
     models = daemon.get("/v1/models", headers=AUTH).json()
     assert models["data"][0]["max_model_len"] == 900
+
+
+def test_sighup_supervisor_and_api_key_changes_apply_at_once(daemon):
+    """No rebuild for supervisor settings or the API key: the key is read per request, so a
+    rotated key works (and the old one stops working) as soon as the reload is handled."""
+    before = status(daemon)
+    good = daemon.config_path.read_text()
+    daemon.config_path.write_text(good.replace(f'api_key = "{KEY}"', 'api_key = "rotated-key"'))
+    try:
+        daemon.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 20
+        while daemon.get("/v1/models", headers={"authorization": "Bearer rotated-key"}).status_code != 200:
+            assert time.monotonic() < deadline, daemon.tail()
+            time.sleep(0.2)
+        assert daemon.get("/v1/models", headers=AUTH).status_code == 401
+        s = status(daemon)
+        assert s["generation"] == before["generation"] and s["restarts"] == before["restarts"] and s["state"] == "ready"
+    finally:
+        daemon.config_path.write_text(good)
+        daemon.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 20
+        while daemon.get("/v1/models", headers=AUTH).status_code != 200:
+            assert time.monotonic() < deadline, daemon.tail()
+            time.sleep(0.2)
 
 
 def test_sigterm_after_operations_leaves_nothing(daemon):

@@ -7,8 +7,6 @@ from __future__ import annotations
 import argparse
 import json
 import signal
-import socket
-import threading
 import time
 
 import httpx
@@ -23,37 +21,26 @@ PROMPTS = ["The quick brown fox", "Once upon a time", "def main(): return"]
 
 
 @pytest.fixture(scope="module")
-def notify_socket(tmp_path_factory):
-    """A real AF_UNIX datagram socket standing in for systemd's NOTIFY_SOCKET, read
-    continuously (like systemd) by a thread; yields (path, list of messages)."""
-    path = str(tmp_path_factory.mktemp("notify") / "notify.sock")
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    sock.bind(path)
-    sock.settimeout(0.2)
-    messages: list[str] = []
-    stop = threading.Event()
-
-    def read() -> None:
-        while not stop.is_set():
-            try:
-                messages.append(sock.recv(65536).decode())
-            except socket.timeout:
-                continue
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    yield path, messages
-    stop.set()
-    reader.join(5)
-    sock.close()
+def home(tmp_path_factory):
+    """The daemon's HOME: empty, as on a new machine; no ``data_dir`` is configured."""
+    return tmp_path_factory.mktemp("home")
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory, notify_socket):
-    env = {"NOTIFY_SOCKET": notify_socket[0], "WATCHDOG_USEC": "2000000"}
-    with Daemon(tmp_path_factory.mktemp("tp1"), {"engine": {"tensor_parallel_size": 1}}, env=env).start() as d:
+def daemon(tmp_path_factory, notify_socket, home):
+    env = {"NOTIFY_SOCKET": notify_socket[0], "WATCHDOG_USEC": "2000000", "HOME": str(home)}
+    with Daemon(tmp_path_factory.mktemp("tp1"), {"engine": {"tensor_parallel_size": 1}}, env=env,
+                shared_data_dir=False).start() as d:
         d.wait_ready()
         yield d
+
+
+def test_default_data_dir_is_under_home(daemon, home):
+    """With no ``data_dir`` set, the demo model goes to ``~/.local/share/vllm-supervisor``
+    (``~`` expanded), never into a folder named ``~`` in the working directory."""
+    built = home / ".local/share/vllm-supervisor/demo-model-1"
+    assert (built / ".demo-model-complete").exists(), sorted(p.name for p in home.rglob("*"))[:20]
+    assert not (daemon.workdir / "~").exists()
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +122,63 @@ def test_malformed_requests_get_4xx_and_daemon_keeps_serving(daemon, client, pat
     error = r.json()["error"]
     assert fragment in error["message"] and error["code"] == status
     assert client.completions.create(model="demo-tiny-llama", prompt="ok", max_tokens=2).usage.completion_tokens >= 1
+
+
+BAD_FIELDS = [  # (field, value): vllm serve answers 400 to each; so must we, naming the field
+    ("temperature", -1), ("top_p", 2), ("top_p", 0), ("top_k", -5), ("min_p", 2), ("repetition_penalty", 0),
+    ("presence_penalty", 5), ("frequency_penalty", -5), ("max_tokens", 0), ("min_tokens", -1), ("n", 0),
+    ("logit_bias", {"99999": 1}), ("stop", [""]), ("seed", "x"), ("temperature", "hot"), ("stop_token_ids", [-1]),
+]
+
+
+@pytest.mark.parametrize("field, value", BAD_FIELDS, ids=[f"{f}={v!r}" for f, v in BAD_FIELDS])
+def test_invalid_sampling_field_is_a_4xx_naming_it(daemon, client, field, value):
+    r = daemon.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, field: value})
+    assert 400 <= r.status_code < 500, (r.status_code, r.text)
+    assert field in r.json()["error"]["message"], r.text
+
+
+FUZZED_FIELDS = ["temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "seed", "min_tokens", "n", "logprobs", "stop", "logit_bias",
+                 "echo", "ignore_eos", "stop_token_ids", "skip_special_tokens", "best_of",
+                 "include_stop_str_in_output", "user", "suffix", "stream"]
+
+
+def _any_value():
+    from hypothesis import strategies as st
+
+    scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.integers(-3, 600),
+                        st.floats(allow_nan=True, allow_infinity=True), st.floats(-3, 3), st.text(max_size=6))
+    return st.one_of(scalars, st.lists(st.one_of(st.integers(-5, 600), st.text(max_size=3)), max_size=3),
+                     st.dictionaries(st.text(max_size=4), st.one_of(st.integers(-200, 200), st.floats()), max_size=2))
+
+
+def test_fuzzed_request_fields_never_get_a_5xx(daemon, client):
+    """Property: any JSON values for the completion request's fields (NaN, infinities, huge and
+    negative numbers, wrong types) get a 2xx, or a 4xx with a message; afterwards the daemon
+    still answers a greedy request exactly as before."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    probe = dict(model="demo-tiny-llama", prompt=PROMPTS[0], max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    before = client.completions.create(**probe).choices[0].text
+    seen: dict[int, int] = {}
+
+    @settings(max_examples=150, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(st.fixed_dictionaries({"prompt": st.just("hi"), "max_tokens": st.integers(1, 4)},
+                                 optional={f: _any_value() for f in FUZZED_FIELDS}))
+    def check(body):
+        raw = json.dumps(body, allow_nan=True)  # NaN/Infinity as Python writes them: not strict JSON
+        r = daemon.post("/v1/completions", content=raw, headers={"content-type": "application/json"}, timeout=60)
+        seen[r.status_code] = seen.get(r.status_code, 0) + 1
+        assert r.status_code < 500, (r.status_code, raw, r.text[:300])
+        if r.status_code >= 400:
+            assert r.json()["error"]["message"], r.text
+
+    check()
+    print(f"\nfuzzed completions: status counts {dict(sorted(seen.items()))}")
+    assert client.completions.create(**probe).choices[0].text == before
+    assert daemon.get("/readyz").status_code == 200
 
 
 def test_vllm_bench_serve_has_no_failed_requests(daemon, tmp_path):

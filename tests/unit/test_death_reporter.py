@@ -31,16 +31,30 @@ def pull(tmp_path):
 
 
 def test_event_sent_once_before_the_engine_callback(tmp_path):
+    """Called the way vLLM's monitor thread calls it: ``shutdown()`` (which records the dead
+    ranks) and then the registered callback. The engine's callback itself checks that the
+    event is already on the socket when it runs, and it must run exactly once."""
     sock, endpoint = pull(tmp_path)
     ex = Executor(endpoint)
     ex._wire()
-    calls = []
-    ex.register_failure_callback(lambda: calls.append("engine"))
+    seen_by_engine_callback = []
+
+    def engine_callback():
+        # Sent before this callback runs: it arrives (zmq delivers in its I/O thread) even
+        # though nothing more is sent while we wait here.
+        if sock.poll(2000):
+            seen_by_engine_callback.append(WorkerDeathEvent.from_json(sock.recv()))
+        else:
+            seen_by_engine_callback.append(None)
+
+    ex.register_failure_callback(engine_callback)
     ex._record_death([(1, "vllm_Worker_x-g4_TP1", "node-a", "killed by `ray.kill`")])  # from shutdown()
-    event = WorkerDeathEvent.from_json(sock.recv())
-    assert (event.generation, event.ranks, event.actor_names, event.node_ids) == (4, [1], ["vllm_Worker_x-g4_TP1"], ["node-a"])
     ex.failure_callback()  # the monitor thread then calls the (wrapped) engine callback
-    assert calls == ["engine"]
+    assert len(seen_by_engine_callback) == 1
+    event = seen_by_engine_callback[0]
+    assert event is not None, "the engine's callback ran before the event was sent"
+    assert (event.generation, event.ranks, event.actor_names, event.node_ids) == (4, [1], ["vllm_Worker_x-g4_TP1"], ["node-a"])
+    assert event.cause == "killed by `ray.kill`"
     sock.setsockopt(zmq.RCVTIMEO, 200)
     try:
         sock.recv()
@@ -50,14 +64,35 @@ def test_event_sent_once_before_the_engine_callback(tmp_path):
     sock.close(0)
 
 
+def test_without_shutdown_the_callback_still_reports_first(tmp_path):
+    """An executor failure that skips ``shutdown()``: the wrapped callback publishes before
+    forwarding, so the engine's callback still finds the event already sent."""
+    sock, endpoint = pull(tmp_path)
+    ex = Executor(endpoint)
+    ex._wire()
+    order = []
+    real_publish = ex._publish
+    ex._publish = lambda: (order.append("publish"), real_publish())
+    ex.register_failure_callback(lambda: order.append("engine"))
+    ex.failure_callback()
+    assert order == ["publish", "engine"]
+    assert WorkerDeathEvent.from_json(sock.recv()).generation == 4
+    sock.close(0)
+
+
 def test_engine_callback_runs_even_if_reporting_fails(tmp_path):
     ex = Executor("ipc:///nonexistent/dir/x.sock")
     ex._wire()
-    ex._publish = lambda: (_ for _ in ()).throw(RuntimeError("boom"))
     calls = []
+
+    def failing_publish():
+        calls.append("publish")
+        raise RuntimeError("boom")
+
+    ex._publish = failing_publish
     ex.register_failure_callback(lambda: calls.append("engine"))
     ex.failure_callback()
-    assert calls == ["engine"]
+    assert calls == ["publish", "engine"]  # publishing was tried, failed, and the engine still heard
 
 
 def test_without_identified_ranks_the_event_still_goes(tmp_path):

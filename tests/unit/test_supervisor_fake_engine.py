@@ -123,8 +123,8 @@ class FakeDetokenizer:
 class FakeSupervisor(Supervisor):
     """Only the parts that talk to Ray and vLLM are replaced."""
 
-    def __init__(self, settings, build_failures: int = 0):
-        super().__init__(settings, registry=CollectorRegistry())
+    def __init__(self, settings, build_failures: int = 0, reload_settings=None):
+        super().__init__(settings, registry=CollectorRegistry(), reload_settings=reload_settings)
         self.engines: list[FakeEngine] = []
         self.build_failures = build_failures
         self.torn_down: list[int] = []
@@ -319,10 +319,19 @@ def test_failure_of_a_retired_generation_is_ignored(tmp_path):
         sup = FakeSupervisor(settings(tmp_path))
         owner = asyncio.create_task(sup.run())
         await wait_for(lambda: sup.state is State.READY)
-        sup.post(EngineFailed(0, "worker_death", "stale"))
-        await asyncio.sleep(0.2)
-        assert sup.state is State.READY and sup.generation_number == 1
-        owner.cancel()
+        sup.engines[0].die()
+        sup.post(EngineFailed(1, "worker_death", "rank 0 killed"))
+        await wait_for(lambda: sup.state is State.READY and sup.generation_number == 2)
+        # Generation 1's late reports (the engine-dead error of a slow request, a second
+        # worker's death) arrive after generation 2 serves: they must not start a recovery.
+        sup.post(EngineFailed(1, "engine_dead", "EngineDeadError from a late request"))
+        sup.post(EngineFailed(1, "worker_death", "rank 1 died too"))
+        await asyncio.sleep(0.3)
+        assert sup.state is State.READY and sup.generation_number == 2
+        assert sum(sup.restarts.values()) == 1 and sup.torn_down == [1]
+        assert await collect(sup, [4, 5], 5) == reference([4, 5], 5)  # generation 2 still serves
+        sup.post(SignalReceived(signal.SIGTERM))
+        assert await owner == 0
 
     run(scenario())
 
@@ -406,6 +415,84 @@ def test_stop_string_across_the_seam_is_found_on_the_joined_text(tmp_path):
         resumed = sup.engines[1].requests_seen[0]
         assert resumed.stop == [] and not resumed.detokenize
         assert sup.outcomes["continued"] == 1
+        sup.post(SignalReceived(signal.SIGTERM))
+        assert await owner == 0
+
+    run(scenario())
+
+
+def test_a_worker_death_report_after_an_engine_dead_error_refines_the_cause(tmp_path):
+    """The request saw ``EngineDeadError`` first; the executor's worker-death report of the
+    same generation (detected before teardown) names the cause, ranks included. A report
+    detected after the teardown began (our own kills) does not."""
+    async def scenario():
+        sup = FakeSupervisor(settings(tmp_path))
+        owner = asyncio.create_task(sup.run())
+        await wait_for(lambda: sup.state is State.READY)
+        sup.engines[0].die()
+        detected = time.monotonic()
+        sup.post(EngineFailed(1, "engine_dead", "EngineDeadError"))
+        sup.post(EngineFailed(1, "worker_death", "rank(s) [1] (w): killed by `ray.kill`", detected, ranks=(1,)))
+        await wait_for(lambda: sup.state is State.READY and sup.generation_number == 2)
+        rec = sup.recoveries[-1]
+        assert (rec["reason"], rec["refined_from"]) == ("worker_death", "engine_dead") and "ray.kill" in rec["detail"]
+        assert dict(sup.restarts) == {"worker_death": 1}
+        sup.engines[1].die()
+        sup.post(EngineFailed(2, "engine_dead", "EngineDeadError"))
+        await wait_for(lambda: sup.generation_number == 3 and sup.state is State.READY)
+        sup.post(EngineFailed(2, "worker_death", "killed by the teardown", time.monotonic()))  # too late
+        await asyncio.sleep(0.2)
+        assert sup.recoveries[-1]["reason"] == "engine_dead" and sup.generation_number == 3
+        assert dict(sup.restarts) == {"worker_death": 1, "engine_dead": 1}
+        sup.post(SignalReceived(signal.SIGTERM))
+        assert await owner == 0
+
+    run(scenario())
+
+
+def test_reload_edge_cases(tmp_path):
+    """Supervisor-only changes apply at once without a rebuild; an invalid config keeps the
+    running one; a reload while RECOVERING is ignored; an engine change rebuilds."""
+    async def scenario():
+        from config import ConfigError
+
+        current = {"s": settings(tmp_path)}
+
+        def reload_settings():
+            value = current["s"]
+            if isinstance(value, Exception):
+                raise value
+            return value
+
+        sup = FakeSupervisor(settings(tmp_path), reload_settings=reload_settings)
+        owner = asyncio.create_task(sup.run())
+        await wait_for(lambda: sup.state is State.READY)
+
+        current["s"] = settings(tmp_path, max_restarts=9, drain_timeout_s=3)
+        sup._on_reload()
+        assert sup.cfg.max_restarts == 9 and sup.intensity.max_restarts == 9 and sup.cfg.drain_timeout_s == 3
+        assert sup.state is State.READY and sup.generation_number == 1 and not sup.restarts
+
+        current["s"] = ConfigError(["config error: supervisor.max_restarts = -1: too small"])
+        sup._on_reload()
+        assert "max_restarts" in sup.config_error and sup.cfg.max_restarts == 9 and sup.state is State.READY
+
+        sup.build_failures = 2
+        sup.engines[0].die()
+        sup.post(EngineFailed(1, "worker_death", "x"))
+        await wait_for(lambda: sup.state is State.RECOVERING)
+        current["s"] = settings(tmp_path, max_restarts=1)
+        sup._on_reload()  # ignored: nothing to rebuild behind while recovering
+        assert sup.cfg.max_restarts == 9
+        await wait_for(lambda: sup.state is State.READY)
+
+        engine_change = settings(tmp_path, max_restarts=9)
+        engine_change.engine.max_model_len = 512
+        current["s"] = engine_change
+        before = sup.generation_number
+        sup._on_reload()
+        await wait_for(lambda: sup.state is State.READY and sup.generation_number == before + 1)
+        assert sup.restarts["reload"] == 1 and sup.config_error == ""
         sup.post(SignalReceived(signal.SIGTERM))
         assert await owner == 0
 
