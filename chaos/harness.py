@@ -72,6 +72,8 @@ def marked_pids(marker: str) -> list[int]:
 class Daemon:
     """One daemon subprocess, its config, its log and its leftovers."""
 
+    live_markers: set[str] = set()  # of the daemons this process started and that still run
+
     def __init__(self, workdir: Path, config: dict[str, dict[str, Any]], env: dict[str, str] | None = None,
                  shared_data_dir: bool = True):
         self.workdir = workdir
@@ -91,6 +93,7 @@ class Daemon:
 
     def start(self) -> "Daemon":
         self.shm_before = shm_segments()
+        Daemon.live_markers.add(self.marker)
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
             [str(BIN / "vllm-supervisor"), "run", "--config", str(self.config_path)],
@@ -137,6 +140,7 @@ class Daemon:
         """Whatever happened, no daemon outlives its test."""
         if self.proc is not None and self.proc.poll() is None:
             self.kill()
+        Daemon.live_markers.discard(self.marker)
 
     def status(self) -> dict:
         """``/readyz?verbose`` (200 or 503, always JSON)."""
@@ -184,13 +188,14 @@ class Daemon:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
     def new_segments(self) -> set[str]:
-        """``/dev/shm`` segments that appeared since this daemon started and that no process
-        outside it holds: another daemon's live rings (a parallel test, another module's
-        fixture) are not this daemon's leftovers."""
+        """``/dev/shm`` segments that appeared since this daemon started, less those another
+        live daemon of this process's tests maps (its engine core holds its rings): another
+        daemon's segments are not this daemon's leftovers."""
         from executor.shm import mapped_segments
 
-        ours = {self.proc.pid, *marked_pids(self.marker)}
-        return (shm_segments() - self.shm_before) - mapped_segments(exclude_pids=ours)
+        others = {pid for marker in Daemon.live_markers - {self.marker} for pid in marked_pids(marker)}
+        held_by_others = mapped_segments(pids=others) if others else set()
+        return (shm_segments() - self.shm_before) - held_by_others
 
     def assert_nothing_left(self, settle_s: float = 15) -> None:
         """No descendant processes and no new shared-memory segments of ours remain."""

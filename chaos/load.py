@@ -48,7 +48,8 @@ class RequestRecord:
     @property
     def key(self) -> tuple:
         """What makes two requests the same request (for the reference)."""
-        return (self.kind, self.stream, self.prompt, tuple(self.stop or ()), self.system, self.max_tokens)
+        return (self.kind, self.stream, self.prompt, tuple(self.stop or ()), self.system, self.max_tokens,
+                tuple(sorted(self.extra.items())))
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -25,13 +25,13 @@ def vllm_segments(shm_dir: Path = SHM_DIR) -> set[str]:
         return set()
 
 
-def mapped_segments(shm_dir: Path = SHM_DIR, exclude_pids: set[int] | frozenset[int] = frozenset()) -> set[str]:
-    """Names of segments of ``shm_dir`` mapped by any process we can inspect (but those in
-    ``exclude_pids``)."""
+def mapped_segments(shm_dir: Path = SHM_DIR, pids: set[int] | None = None) -> set[str]:
+    """Names of segments of ``shm_dir`` mapped by any process we can inspect (or only by
+    those in ``pids``)."""
     prefix = f"{shm_dir}/"
     mapped: set[str] = set()
     for entry in os.scandir("/proc"):
-        if not entry.name.isdigit() or int(entry.name) in exclude_pids:
+        if not entry.name.isdigit() or (pids is not None and int(entry.name) not in pids):
             continue
         try:
             with open(f"/proc/{entry.name}/maps", "rb") as fh:

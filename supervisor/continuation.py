@@ -22,6 +22,8 @@ def why_not_continuable(params: Any) -> str | None:
         return "presence/frequency penalties count only generated tokens"
     if getattr(params, "seed", None) is not None and (params.temperature or 0) > 0:
         return "seeded sampling cannot resume its random stream"
+    if getattr(params, "bad_words", None):
+        return "bad_words are matched against generated tokens only (one could straddle the resume point)"
     return None
 
 

@@ -305,13 +305,14 @@ class Supervisor:
         if len(delivered) < after or not testhooks.ends_mid_character(self.tokenizer, delivered):
             return
         self.held += 1
-        try:
-            while not gen.failed:
+        try:  # until the engine fails, or the daemon stops (then the stream just goes on)
+            while not gen.failed and self.state is not State.STOPPING and not self.state.terminal:
                 self._changed.clear()
                 await self._changed.wait()
         finally:
             self.held -= 1
-        raise _Interrupted()
+        if gen.failed:
+            raise _Interrupted()
 
     async def _pump(self, gen: Generation, prompt: Any, params: Any, request_id: str) -> AsyncIterator[Any]:
         """Run the engine's stream in a task of its own, so a recovery can interrupt it
@@ -679,10 +680,11 @@ class Supervisor:
         except Exception as exc:
             log.exception("recovery failed")
             ok, detail = False, f"recovery failed: {type(exc).__name__}: {exc}"
+        finally:  # also when cancelled: the record is closed and the restart counted
+            self._active_record = None
+            self._count_restart(record["reason"])
         record.update(ok=ok, total_s=time.monotonic() - started, to_generation=self.generation_number,
                       ready_monotonic=time.monotonic())
-        self._active_record = None
-        self._count_restart(record["reason"])
         self.recoveries.append(record)
         if ok:
             self.metrics.recovery(record["total_s"] + phases["detect"], phases)

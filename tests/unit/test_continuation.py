@@ -33,6 +33,7 @@ def test_nothing_delivered_resubmits_a_fresh_copy():
         ({"presence_penalty": 0.5}, "penalties"),
         ({"frequency_penalty": 0.5}, "penalties"),
         ({"temperature": 0.7, "seed": 1}, "seeded"),
+        ({"bad_words": ["fox jumps"]}, "bad_words"),
         ({"structured_outputs": StructuredOutputsParams(regex="[a-z]+")}, "guided"),
     ],
 )
