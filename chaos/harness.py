@@ -69,29 +69,10 @@ def marked_pids(marker: str) -> list[int]:
     return found
 
 
-def session_pids(sid: int) -> list[int]:
-    """PIDs of live processes in session ``sid``. A daemon started in a session of its own
-    keeps every process it forks there, orphaned or renamed: vLLM's engine core and ``mp``
-    workers call setproctitle, which overwrites ``/proc/PID/environ``, so the marker cannot
-    find them."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as st:
-                fields = st.read().rsplit(b")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != b"Z" and int(fields[3]) == sid:
-            found.append(int(entry))
-    return found
-
-
 class Daemon:
     """One daemon subprocess, its config, its log and its leftovers."""
 
-    live: set["Daemon"] = set()  # the daemons this process started and has not cleaned up
+    live_markers: set[str] = set()  # of the daemons this process started and that still run
 
     def __init__(self, workdir: Path, config: dict[str, dict[str, Any]], env: dict[str, str] | None = None,
                  shared_data_dir: bool = True):
@@ -112,12 +93,11 @@ class Daemon:
 
     def start(self) -> "Daemon":
         self.shm_before = shm_segments()
-        Daemon.live.add(self)
+        Daemon.live_markers.add(self.marker)
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
             [str(BIN / "vllm-supervisor"), "run", "--config", str(self.config_path)],
             stdout=self._log, stderr=subprocess.STDOUT, env=self.env, cwd=self.workdir,
-            start_new_session=True,  # its session id finds every process it forks (``descendants``)
         )
         return self
 
@@ -160,7 +140,7 @@ class Daemon:
         """Whatever happened, no daemon outlives its test."""
         if self.proc is not None and self.proc.poll() is None:
             self.kill()
-        Daemon.live.discard(self)
+        Daemon.live_markers.discard(self.marker)
 
     def status(self) -> dict:
         """``/readyz?verbose`` (200 or 503, always JSON)."""
@@ -183,21 +163,16 @@ class Daemon:
         then remove the shared memory they created (a SIGKILLed daemon cannot)."""
         from executor.shm import sweep
 
-        for pid in [self.proc.pid, *self.descendants()]:
+        for pid in [self.proc.pid, *marked_pids(self.marker)]:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         self.proc.wait(10)
         deadline = time.monotonic() + 10
-        while self.descendants() and time.monotonic() < deadline:
+        while marked_pids(self.marker) and time.monotonic() < deadline:
             time.sleep(0.2)
         sweep(self.new_segments())
-
-    def descendants(self) -> list[int]:
-        """Live processes this daemon started (directly or not), the daemon included while it
-        runs: by its session and by the marker in their environment."""
-        return sorted(set(session_pids(self.proc.pid)) | set(marked_pids(self.marker)))
 
     def log_lines(self) -> list[dict]:
         out = []
@@ -218,7 +193,7 @@ class Daemon:
         daemon's segments are not this daemon's leftovers."""
         from executor.shm import mapped_segments
 
-        others = {pid for d in Daemon.live - {self} for pid in d.descendants()}
+        others = {pid for marker in Daemon.live_markers - {self.marker} for pid in marked_pids(marker)}
         held_by_others = mapped_segments(pids=others) if others else set()
         return (shm_segments() - self.shm_before) - held_by_others
 
@@ -226,7 +201,7 @@ class Daemon:
         """No descendant processes and no new shared-memory segments of ours remain."""
         deadline = time.monotonic() + settle_s
         while True:
-            pids = self.descendants()
+            pids = marked_pids(self.marker)
             shm = self.new_segments()
             if not pids and not shm:
                 return

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from chaos import inject
-from chaos.harness import Daemon, RayHead, shm_segments
+from chaos.harness import Daemon, RayHead, marked_pids, shm_segments
 from chaos.load import PROMPTS, as_reference, compare, first_token_after, run_with_fault
 from executor.shm import mapped_segments
 
@@ -97,7 +97,7 @@ class Soak:
             "placement_groups": len(seen["placement_groups"]),
             "actors": len(seen["actors"]),
             "stale_actors": stale_actors,
-            "processes": len(self.daemon.descendants()) - 1,  # less the daemon itself
+            "processes": len(marked_pids(self.daemon.marker)),
             "shm_segments": len(shm_segments() - self.daemon.shm_before),
             "shm_unmapped": unmapped,
             **proc_stats(self.daemon.proc.pid),
