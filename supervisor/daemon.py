@@ -234,13 +234,14 @@ class Supervisor:
         seam: SeamText | None = None
         hold_after = testhooks.hold_midchar_after(params) if self._test_hooks else None
         attempt = 0
+        dead: Generation | None = None  # the generation this request last saw fail
         arrived = last = time.monotonic()
         m = self.metrics
         self.in_flight += 1
         self._idle.clear()
         try:
             while True:
-                gen = await self._admit(parked=attempt > 0)
+                gen = await self._admit(parked=attempt > 0, not_gen=dead)
                 try:
                     sub = params if attempt == 0 else continuation_params(pristine, len(delivered))
                     if delivered and seam is None:
@@ -284,6 +285,7 @@ class Supervisor:
                     self.post(EngineFailed(gen.number, "engine_dead", f"{type(exc).__name__}: {exc}"))
                 finally:
                     await stream.aclose()
+                dead = gen  # the owner may not have marked it failed yet: never re-admit to it
                 attempt += 1
                 if attempt > self.cfg.continuation_limit:
                     self._count_outcome("failed")
@@ -350,10 +352,11 @@ class Supervisor:
                 gen.lingering.add(task)
                 task.add_done_callback(gen.lingering.discard)
 
-    async def _admit(self, parked: bool) -> Generation:
-        """The current engine once READY. New requests wait in a bounded queue up to
-        ``admission_timeout_s``; parked ones wait up to ``recovery_timeout_s``."""
-        if self.state is State.READY and self.current is not None and not self.current.failed:
+    async def _admit(self, parked: bool, not_gen: Generation | None = None) -> Generation:
+        """The current engine once READY (and not ``not_gen``, a generation the request saw
+        die before the owner task marked it failed). New requests wait in a bounded queue up
+        to ``admission_timeout_s``; parked ones wait up to ``recovery_timeout_s``."""
+        if self._serving(not_gen):
             return self.current
         if self.state.terminal or self.state is State.STOPPING:
             if parked:
@@ -372,10 +375,10 @@ class Supervisor:
             self.waiting_new += 1
         try:
             while True:
-                if self.state is State.READY and self.current is not None and not self.current.failed:
+                if self._serving(not_gen):
                     return self.current
                 if self.state.terminal or self.state is State.STOPPING:
-                    return await self._admit(parked)
+                    return await self._admit(parked, not_gen)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     if parked:
@@ -393,6 +396,10 @@ class Supervisor:
                 self.parked -= 1
             else:
                 self.waiting_new -= 1
+
+    def _serving(self, not_gen: Generation | None = None) -> bool:
+        gen = self.current
+        return self.state is State.READY and gen is not None and not gen.failed and gen is not not_gen
 
     # --- the owner task ---------------------------------------------------------------
 

@@ -497,3 +497,4 @@ def test_reload_edge_cases(tmp_path):
         assert await owner == 0
 
     run(scenario())
+
