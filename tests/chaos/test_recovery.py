@@ -242,6 +242,15 @@ def test_tp1_kill_with_arrivals_during_recovery(tp1, ray_head):
     assert daemon.status()["requests"]["continued"] >= 6
 
 
+def test_tp1_stop_leaves_nothing(tp1, ray_head):
+    """Stopped here, not killed at teardown: a SIGKILLed daemon leaves its rings behind."""
+    daemon, _ = tp1
+    code, _ = daemon.stop(signal.SIGTERM)
+    assert code == 0, daemon.tail()
+    daemon.assert_nothing_left()
+    assert inject.inspect(ray_head.address) == {"placement_groups": [], "actors": []}
+
+
 def test_restart_intensity_exhausted_exits_3_and_leaves_nothing(tmp_path, ray_head):
     """Its own daemon with a budget of zero restarts: the first kill exhausts it, whatever
     ran before."""
