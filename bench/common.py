@@ -4,6 +4,7 @@ daemon), vLLM's own benchmark client, and ratio tables."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import statistics
@@ -11,7 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import httpx
 
@@ -27,7 +28,8 @@ class VllmServe:
     """``vllm serve`` (through its API server module: the CPU build's CLI is broken) with
     our executor class, on the same Ray cluster and engine settings as the daemon."""
 
-    def __init__(self, workdir: Path, head: RayHead, tp: int = 1, max_model_len: int = 1024):
+    def __init__(self, workdir: Path, head: RayHead | None, tp: int = 1, max_model_len: int = 1024,
+                 extra: tuple[str, ...] = ()):
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = workdir / f"vllm-serve-{self.port}.log"
@@ -36,12 +38,14 @@ class VllmServe:
             # the `vllm` distribution's version; the API server module is the same server.
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(demo_model_path()),
             "--served-model-name", MODEL_NAME, "--port", str(self.port), "--host", "127.0.0.1",
-            "--distributed-executor-backend", EXECUTOR, "--tensor-parallel-size", str(tp),
-            "--max-model-len", str(max_model_len), "--dtype", "float32", "--enforce-eager", "--seed", "0",
-            "--disable-uvicorn-access-log",
+            "--tensor-parallel-size", str(tp), "--max-model-len", str(max_model_len), "--dtype", "float32",
+            "--enforce-eager", "--seed", "0", "--disable-uvicorn-access-log", *extra,
         ]
-        self.env = dict(head.env, RAY_ADDRESS=head.address, VLLM_CPU_KVCACHE_SPACE="1",
-                        PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+        env = {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        if head is not None:  # our executor class on the daemon's Ray cluster; else vLLM's default
+            self.cmd += ["--distributed-executor-backend", EXECUTOR]
+            env.update(head.env, RAY_ADDRESS=head.address)
+        self.env = dict(os.environ, **env)
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> "VllmServe":
@@ -76,6 +80,22 @@ class VllmServe:
         # (its resource tracker warns "leaked shared_memory"): remove what it made and nobody maps.
         sweep(shm_segments() - self.shm_before)
         return self.proc.returncode
+
+
+    def request(self, method: str, path: str, **kw) -> httpx.Response:
+        return httpx.request(method, self.base_url + path, timeout=kw.pop("timeout", 120), **kw)
+
+
+@contextlib.contextmanager
+def plain_vllm_serve(workdir: Path, *extra: str, max_model_len: int = 256) -> Iterator[VllmServe]:
+    """A plain ``vllm serve`` of the demo model (vLLM's default executor, no Ray) with the
+    daemon's demo-model defaults: the reference a drop-in is compared with."""
+    server = VllmServe(workdir, None, max_model_len=max_model_len, extra=extra).start()
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
 
 
 def start_daemon(workdir: Path, head: RayHead, tp: int = 1, max_model_len: int = 1024, **supervisor: Any) -> Daemon:

@@ -1,4 +1,4 @@
-"""Run the real daemon as a user would (``vllm-supervisor run --config FILE``) and check
+"""Run the real daemon as a user would (``vllm-supervisor serve --supervisor-config FILE …``) and check
 what it leaves behind. Shared by the integration and chaos tests."""
 
 from __future__ import annotations
@@ -75,8 +75,9 @@ class Daemon:
     live_markers: set[str] = set()  # of the daemons this process started and that still run
 
     def __init__(self, workdir: Path, config: dict[str, dict[str, Any]], env: dict[str, str] | None = None,
-                 shared_data_dir: bool = True):
+                 shared_data_dir: bool = True, args: tuple[str, ...] = ()):
         self.workdir = workdir
+        self.args = list(args)  # more `vllm-supervisor serve` flags (vLLM's or ours)
         self.port = free_port()
         self.marker = uuid.uuid4().hex
         config = {k: dict(v) for k, v in config.items()}
@@ -96,13 +97,16 @@ class Daemon:
         Daemon.live_markers.add(self.marker)
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            [str(BIN / "vllm-supervisor"), "run", "--config", str(self.config_path)],
+            [str(BIN / "vllm-supervisor"), "serve", "--supervisor-config", str(self.config_path), *self.args],
             stdout=self._log, stderr=subprocess.STDOUT, env=self.env, cwd=self.workdir,
         )
         return self
 
     def get(self, path: str, **kw) -> httpx.Response:
         return httpx.get(self.base_url + path, timeout=kw.pop("timeout", 30), **kw)
+
+    def request(self, method: str, path: str, **kw) -> httpx.Response:
+        return httpx.request(method, self.base_url + path, timeout=kw.pop("timeout", 120), **kw)
 
     def post(self, path: str, **kw) -> httpx.Response:
         return httpx.post(self.base_url + path, timeout=kw.pop("timeout", 120), **kw)

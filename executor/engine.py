@@ -10,7 +10,6 @@ import signal
 from dataclasses import dataclass
 from typing import Any
 
-from config import EngineSettings
 from executor.events import ADDITIONAL_CONFIG_KEY
 
 
@@ -18,14 +17,12 @@ from executor.events import ADDITIONAL_CONFIG_KEY
 class EngineSpec:
     """Everything needed to build one engine generation."""
 
-    settings: EngineSettings
-    model_path: str
-    served_model_name: str
+    args: Any  # vLLM's serve Namespace (``vllm serve`` flags), model already resolved
     generation: int
     instance_id: str  # carried into the worker actor names
     event_endpoint: str
     placement_group: Any
-    dtype: str = "auto"
+    kv_cache_space_gib: int = 1  # CPU only (VLLM_CPU_KVCACHE_SPACE)
 
 
 def is_cpu_platform() -> bool:
@@ -35,35 +32,21 @@ def is_cpu_platform() -> bool:
 
 
 def build_engine(spec: EngineSpec):
-    """Create the ``AsyncLLM`` (engine-core subprocess + Ray worker actors); blocks until up."""
+    """Create the ``AsyncLLM`` (engine-core subprocess + Ray worker actors) from the same
+    flags ``vllm serve`` reads, with our executor subclass; blocks until up."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    s = spec.settings
-    if s.executor == "mp":
+    if spec.args.distributed_executor_backend == "mp":
         from executor.mp import SupervisedMultiprocExecutor as executor_class
     else:
         from executor.ray_v2 import SupervisedRayExecutor as executor_class
 
-    cpu = is_cpu_platform()
-    if cpu:
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(s.kv_cache_space_gib)
-    kwargs: dict[str, Any] = dict(s.extra_args)
-    kwargs.update(
-        model=spec.model_path,
-        served_model_name=[spec.served_model_name],
-        tensor_parallel_size=s.tensor_parallel_size,
-        pipeline_parallel_size=s.pipeline_parallel_size,
-        max_model_len=s.max_model_len,
-        dtype=spec.dtype,
-        enforce_eager=s.enforce_eager,
-        seed=s.seed,
-        distributed_executor_backend=executor_class,
-    )
-    if not cpu:
-        kwargs["gpu_memory_utilization"] = s.gpu_memory_utilization
-    engine_args = AsyncEngineArgs(**kwargs)
+    if is_cpu_platform() and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(spec.kv_cache_space_gib)
+    engine_args = AsyncEngineArgs.from_cli_args(spec.args)
+    engine_args.distributed_executor_backend = executor_class
     vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
     if spec.placement_group is not None:
         vllm_config.parallel_config.placement_group = spec.placement_group
@@ -75,8 +58,20 @@ def build_engine(spec: EngineSpec):
     return AsyncLLM.from_vllm_config(
         vllm_config,
         usage_context=UsageContext.OPENAI_API_SERVER,
-        disable_log_stats=False,
+        enable_log_requests=engine_args.enable_log_requests,
+        aggregate_engine_logging=engine_args.aggregate_engine_logging,
+        disable_log_stats=engine_args.disable_log_stats,
     )
+
+
+def frontend_for(vllm_config: Any) -> tuple[Any, Any]:
+    """A renderer and input processor as ``AsyncLLM`` makes them, owned by the supervisor's
+    request path: they live as long as the daemon, not as long as one engine."""
+    from vllm.renderers import renderer_from_config
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    renderer = renderer_from_config(vllm_config)
+    return renderer, InputProcessor(vllm_config, renderer)
 
 
 def engine_core_pids(engine) -> list[int]:

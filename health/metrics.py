@@ -1,19 +1,18 @@
 """Prometheus metrics of the supervisor (prefix ``vllm_supervisor_``, base units).
 
 Every series exists from the first scrape: labelled families are initialised with all
-their label values. They live in a registry of their own, served at ``/metrics`` and clean
-for ``promtool check metrics``. vLLM's own ``vllm:*`` series stay in prometheus-client's
-default registry (each new engine re-registers them) and are served unchanged at
-``/metrics/vllm``: their names contain ``:``, which promtool's linter rejects.
+their label values. They live in a registry of their own: ``/metrics`` serves it after
+prometheus-client's default registry (vLLM's own ``vllm:*`` series, which each new engine
+re-registers, and the process collectors), as ``vllm serve``'s ``/metrics`` does;
+``/metrics/supervisor`` serves it alone, clean for ``promtool check metrics`` (vLLM's
+names contain ``:``, which promtool's linter rejects).
 """
 
 from __future__ import annotations
 
 from typing import Callable, Iterable
 
-from prometheus_client import (
-    GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, Counter, Gauge, Histogram,
-)
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 PREFIX = "vllm_supervisor_"
 STATES = ("starting", "ready", "recovering", "draining", "stopping", "stopped", "failed")
@@ -48,11 +47,9 @@ def death_cause(text: str) -> str:
 
 
 def supervisor_registry() -> CollectorRegistry:
-    """Our own registry, with the standard process/platform/GC collectors."""
-    registry = CollectorRegistry()
-    for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
-        registry.register(collector)
-    return registry
+    """Our own registry. The process/platform/GC collectors stay in the default registry,
+    which ``/metrics`` serves beside this one (a series must appear once)."""
+    return CollectorRegistry()
 
 
 class SupervisorMetrics:

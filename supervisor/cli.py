@@ -1,7 +1,13 @@
-"""``vllm-supervisor`` command line: ``run``, ``check-config`` and ``ctl``.
+"""``vllm-supervisor`` command line.
 
-The config is resolved and validated before Ray or vLLM is imported: an invalid value
-prints one line per problem and exits 78 (EX_CONFIG).
+    vllm-supervisor serve [MODEL] [any `vllm serve` flag] [supervision flags]
+    vllm-supervisor check-config [TOML] [supervision flags]
+    vllm-supervisor ctl status|drain|resume|restart|kill-worker RANK
+    vllm-supervisor run --config TOML [...]     (the pre-0.2 form; same as serve)
+
+``serve`` parses with vLLM's own parser (``make_arg_parser``) plus the supervision group
+(``config.serve_args``). The supervision settings are resolved first, before vLLM or Ray is
+imported: an invalid value prints one line naming the key and exits 78 (EX_CONFIG).
 """
 
 from __future__ import annotations
@@ -11,105 +17,151 @@ import asyncio
 import sys
 from typing import Any, Sequence
 
-from config import EXIT_CONFIG, ConfigError, Settings, load_settings, parse_assignment
+from config import EXIT_CONFIG, ConfigError, Settings
 
-# CLI flag -> dotted settings key (the flags a user reaches for most; --set covers the rest).
-_FLAGS: dict[str, tuple[str, type]] = {
-    "--model": ("engine.model", str),
-    "--tensor-parallel-size": ("engine.tensor_parallel_size", int),
-    "--pipeline-parallel-size": ("engine.pipeline_parallel_size", int),
-    "--max-model-len": ("engine.max_model_len", int),
-    "--ray-address": ("ray.address", str),
-    "--host": ("server.host", str),
-    "--port": ("server.port", int),
-    "--data-dir": ("supervisor.data_dir", str),
-    "--log-level": ("supervisor.log_level", str),
-}
+EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE: the port is taken
+from config.serve_args import add_supervision_group, load_supervision, vllm_defaults
+
+USAGE = "vllm-supervisor {serve [MODEL] [vllm serve flags] | check-config [TOML] | ctl ... | run --config TOML}"
+
+# `run` (the first CLI) -> `serve` spelling
+_RUN_FLAGS = {"--config": "--supervisor-config", "-c": "--supervisor-config", "--model": "--model",
+              "--log-level": "--supervisor-log-level"}
 
 
-def _add_config_flags(parser: argparse.ArgumentParser, config_positional: bool = False) -> None:
-    if config_positional:
-        parser.add_argument("config", nargs="?", help="TOML config file")
-    else:
-        parser.add_argument("--config", "-c", help="TOML config file")
-    for flag, (dotted, kind) in _FLAGS.items():
-        parser.add_argument(flag, dest=dotted, type=str, default=None, metavar=kind.__name__.upper(), help=f"sets {dotted}")
-    parser.add_argument(
-        "--set", dest="assignments", action="append", default=[], metavar="SECTION.KEY=VALUE",
-        help="set any config key (repeatable), e.g. --set engine.extra_args.swap_space=1",
-    )
+def translate_run(argv: list[str]) -> list[str]:
+    """``run --config F --model M --log-level L …`` -> the ``serve`` command line."""
+    out = []
+    for arg in argv:
+        flag, eq, value = arg.partition("=")
+        if flag in _RUN_FLAGS:
+            arg = _RUN_FLAGS[flag] + (eq + value if eq else "")
+        out.append(arg)
+    return out
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vllm-supervisor", description="Keep a vLLM engine serving through worker failures.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    _add_config_flags(sub.add_parser("run", help="run the daemon"))
-    _add_config_flags(sub.add_parser("check-config", help="validate a config and print it resolved"), config_positional=True)
-    sub.add_parser("ctl", help="control a running daemon: status|drain|resume|restart|kill-worker (see ctl -h)")
-    return parser
+class ServeArgsError(Exception):
+    pass
 
 
-def resolve(args: argparse.Namespace) -> Settings:
-    overrides: dict[str, Any] = {}
-    for dotted, _kind in _FLAGS.values():
-        value = getattr(args, dotted, None)
-        if value is not None:
-            overrides[dotted] = parse_assignment(f"{dotted}={value}")[1] if _kind is int else value
-    for text in args.assignments:
-        dotted, value = parse_assignment(text)
-        overrides[dotted] = value
-    return load_settings(args.config, overrides)
+def parse_serve(argv: list[str]) -> tuple[Settings, argparse.Namespace]:
+    """(supervision settings, vLLM's serve Namespace). Raises ``ConfigError`` for a bad
+    supervision value (before vLLM is imported) and ``ServeArgsError`` for flags vLLM rejects."""
+    settings, _rest = load_supervision(argv)
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    def parse(demo: bool) -> argparse.Namespace:
+        parser = FlexibleArgumentParser(prog="vllm-supervisor serve", usage="vllm-supervisor serve [MODEL] [options]",
+                                        description="`vllm serve` under supervision: every vllm serve flag, plus "
+                                                    "the supervision group below.")
+        parser = make_arg_parser(parser)
+        add_supervision_group(parser)
+        parser.set_defaults(model="", **vllm_defaults(settings, demo))
+        ns = parser.parse_args(argv)
+        if ns.model_tag:
+            ns.model = ns.model_tag
+        return ns
+
+    ns = parse(demo=False)
+    if not ns.model:  # the demo model: re-parse so its defaults sit below any flag given
+        ns = parse(demo=True)
+    if ns.distributed_executor_backend in (None, "ray"):
+        ns.distributed_executor_backend = "ray"
+    elif ns.distributed_executor_backend != "mp":
+        raise ServeArgsError(f"--distributed-executor-backend {ns.distributed_executor_backend}: "
+                             "supervised backends are 'ray' (Ray V2 executor) and 'mp'")
+    for flag, dest, bad in (("--api-server-count", "api_server_count", lambda v: v not in (None, 1)),
+                            ("--data-parallel-size", "data_parallel_size", lambda v: v != 1),
+                            ("--headless", "headless", bool), ("--grpc", "grpc", bool)):
+        if bad(getattr(ns, dest, None)):
+            raise ServeArgsError(f"{flag}: not supported under supervision (one API server, one engine)")
+    try:
+        from vllm.entrypoints.launchers.launcher import validate_api_server_args
+
+        validate_parsed_serve_args(ns)
+        validate_api_server_args(ns)
+    except (TypeError, ValueError, KeyError) as exc:
+        raise ServeArgsError(str(exc)) from None
+    return settings, ns
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["ctl"]:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(f"usage: {USAGE}\n\n  serve         run the daemon (see `serve --help`)\n"
+              "  check-config  validate the supervision config and print it resolved\n"
+              "  ctl           control a running daemon (see `ctl -h`)")
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "ctl":
         from supervisor.control import main as ctl_main
 
-        return ctl_main(argv[1:])
-    args = build_parser().parse_args(argv)
+        return ctl_main(rest)
+    if command == "check-config":
+        return _check_config(rest)
+    if command == "run":
+        command, rest = "serve", translate_run(rest)
+    if command != "serve":
+        print(f"unknown command {command!r}; usage: {USAGE}", file=sys.stderr)
+        return 2
     try:
-        settings = resolve(args)
+        settings, ns = parse_serve(rest)
     except ConfigError as exc:
         print(str(exc), file=sys.stderr)
         return EXIT_CONFIG
-    if args.command == "check-config":
-        print(settings.to_json())
-        return 0
-    return run(settings, reload_settings=lambda: resolve(args))
+    except ServeArgsError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    return run(settings, ns, reload=lambda: parse_serve(rest))
 
 
-def run(settings: Settings, reload_settings=None) -> int:
+def _check_config(argv: list[str]) -> int:
+    from config import load_settings
+    from config.serve_args import supervision_overrides
+
+    parser = argparse.ArgumentParser(prog="vllm-supervisor check-config")
+    parser.add_argument("config", nargs="?", help="supervisor TOML file")
+    add_supervision_group(parser)
+    parser.add_argument("--host", help="server.host")
+    parser.add_argument("--port", help="server.port")
+    ns = parser.parse_args(argv)
+    overrides = supervision_overrides(ns)
+    overrides.update({k: v for k, v in (("server.host", ns.host), ("server.port", ns.port)) if v is not None})
+    try:
+        settings = load_settings(ns.config or ns.supervisor_config, overrides)
+    except ConfigError as exc:
+        print(str(exc), file=sys.stderr)
+        return EXIT_CONFIG
+    print(settings.to_json())
+    return 0
+
+
+def run(settings: Settings, engine_args: Any, reload: Any = None) -> int:
     from supervisor import logs
 
     logs.configure(settings.supervisor.log_level, settings.supervisor.log_format)
-    return asyncio.run(_serve(settings, reload_settings))
+    return asyncio.run(_serve(settings, engine_args, reload))
 
 
-async def _serve(settings: Settings, reload_settings=None) -> int:
-    import uvicorn
-
+async def _serve(settings: Settings, engine_args: Any, reload: Any = None) -> int:
     from supervisor.control import socket_path
     from supervisor.daemon import Supervisor
-    from supervisor.server import UvicornServer, build_app
+    from supervisor.http import Front
 
-    control = socket_path(settings.supervisor.control_socket, settings.server.port)
-    sup = Supervisor(settings, reload_settings=reload_settings, control_socket=control)
-    server = UvicornServer(
-        uvicorn.Config(
-            build_app(sup),
-            host=settings.server.host,
-            port=settings.server.port,
-            log_level="warning",
-            access_log=False,
-            timeout_graceful_shutdown=5,
-        )
-    )
-    http = asyncio.create_task(server.serve())
+    control = socket_path(settings.supervisor.control_socket, engine_args.port)
+    sup = Supervisor(settings, engine_args, reload_settings=reload, control_socket=control)
+    front = Front(sup, engine_args)
+    try:
+        front.bind()
+    except OSError as exc:
+        print(f"error: cannot listen on {engine_args.uds or f'{engine_args.host}:{engine_args.port}'}: {exc}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    http = asyncio.create_task(front.serve())
     try:
         code = await sup.run()
     finally:
-        server.should_exit = True
+        await front.stop()
         await http
     return code
 

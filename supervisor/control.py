@@ -49,6 +49,45 @@ def parse_request(raw: bytes) -> tuple[str, dict[str, Any]]:
     return cmd, args
 
 
+async def serve_control(path: str, status: Any, submit: Any) -> None:
+    """The daemon side: JSON over a pyzmq REP socket, 0600. ``status()`` (a coroutine) answers
+    ``status`` here; every other command goes to ``submit(cmd, args)``, which hands it to the
+    owner task and returns its reply."""
+    import asyncio
+
+    import zmq.asyncio
+
+    from supervisor import logs
+
+    log = logs.get_logger("vllm_supervisor.control")
+    sock = zmq.asyncio.Context.instance().socket(zmq.REP)
+    Path(path).unlink(missing_ok=True)
+    old_umask = os.umask(0o077)
+    try:
+        sock.bind(f"ipc://{path}")
+    finally:
+        os.umask(old_umask)
+    os.chmod(path, 0o600)
+    log.info("control socket listening", path=path)
+    try:
+        while True:
+            raw = await sock.recv()
+            try:
+                cmd, args = parse_request(raw)
+                if cmd == "status":
+                    reply = {"ok": True, "status": await status()}
+                else:
+                    reply = await asyncio.wait_for(submit(cmd, args), 60)
+            except ValueError as exc:
+                reply = {"ok": False, "error": str(exc)}
+            except Exception as exc:
+                reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            await sock.send(json.dumps(reply, default=str).encode())
+    finally:
+        sock.close(linger=0)
+        Path(path).unlink(missing_ok=True)
+
+
 def request(path: str, cmd: str, args: dict[str, Any] | None = None, timeout_s: float = 10.0) -> dict[str, Any]:
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.REQ)

@@ -1,66 +1,150 @@
-"""The daemon's HTTP answers to the supervisor's promises, over the real FastAPI app and a
-fake engine (the lifecycle is ``test_supervisor_fake_engine``'s ``FakeSupervisor``): queue full
-and admission timeout get 503 + ``Retry-After``; a parked stream whose recovery outlasts
-``recovery_timeout_s``, a request that cannot be continued exactly, and one interrupted more
-than ``continuation_limit`` times end with a clear error; SIGTERM drains running streams
-while new requests get 503."""
+"""The daemon's HTTP answers to the supervisor's promises, over vLLM's own OpenAI front (the
+real ``supervisor.http.Front`` on a real uvicorn, the demo model's config and tokenizer)
+and fake engines (the lifecycle is ``test_supervisor_fake_engine``'s ``FakeSupervisor``):
+queue full and admission timeout get 503 + ``Retry-After``; a parked stream whose recovery
+outlasts ``recovery_timeout_s``, a request that cannot be continued exactly, and one
+interrupted more than ``continuation_limit`` times end with a clear error; SIGTERM drains
+running streams while new requests get 503."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import signal
 import time
+from types import SimpleNamespace
 
 import httpx
-import uvicorn
+from vllm.outputs import CompletionOutput, RequestOutput
+from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine.exceptions import EngineDeadError
 
-from chaos.harness import free_port
-from supervisor.daemon import EngineFailed, SignalReceived
-from supervisor.server import UvicornServer, build_app
+from chaos.harness import data_dir, free_port
+from supervisor.events import EngineFailed, SignalReceived
+from supervisor.generation import Generation
+from supervisor.http import Front
 from supervisor.states import State
-from tests.unit.test_supervisor_fake_engine import FakeSupervisor, settings, wait_for
+from tests.unit.test_supervisor_fake_engine import FakeBuilder, FakeSupervisor, settings, wait_for
+
+SAFE = list(range(300, 340))  # demo-model token ids the fake engine emits
 
 
-class FakeTokenizer:
-    def encode(self, text, add_special_tokens=True):
-        return [3 + ord(c) % 500 for c in text]
+@functools.cache
+def demo_front():
+    """vLLM's serve Namespace for the demo model (parsed by the daemon's own CLI) and its
+    engine config; no engine is started."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
 
-    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
-        return "".join(m["content"] for m in messages)
+    from supervisor.builder import EngineBuilder
+    from supervisor.cli import parse_serve
+
+    st, args = parse_serve(["--data-dir", str(data_dir())])
+    EngineBuilder(st, args, "t", "").prepare_model()
+    return args, AsyncEngineArgs.from_cli_args(args).create_engine_config()
 
 
-class SlowBuildSupervisor(FakeSupervisor):
-    """Engine builds after the first take ``build_s``: a recovery that lasts."""
+class FakeEngine:
+    """Speaks ``AsyncLLM``'s language to vLLM's front: real ``RequestOutput``s, delta or
+    final-only; deterministic over the whole context."""
+
+    def __init__(self, vllm_config, tokenizer, step_s=0.005):
+        self.vllm_config, self.model_config, self.tokenizer = vllm_config, vllm_config.model_config, tokenizer
+        self.step_s = step_s
+        self.errored = False
+        self.dead = asyncio.Event()
+
+    def die(self):
+        self.errored = True
+        self.dead.set()
+
+    def shutdown(self, timeout=None):
+        pass
+
+    def check_admission(self, n=1, request_id=None):
+        pass
+
+    async def check_health(self):
+        if self.errored:
+            raise EngineDeadError()
+
+    async def get_supported_tasks(self):
+        return ("generate",)
+
+    async def do_log_stats(self):
+        pass
+
+    async def abort(self, request_id):
+        pass
+
+    async def generate(self, prompt, params, request_id, **kwargs):
+        ctx = list(prompt["prompt_token_ids"])
+        n0, delta = len(ctx), params.output_kind == RequestOutputKind.DELTA
+        for i in range(params.max_tokens):
+            await asyncio.sleep(self.step_s)
+            if self.dead.is_set():
+                raise EngineDeadError()
+            ctx.append(SAFE[(sum(ctx) * 31 + len(ctx)) % len(SAFE)])
+            done = "length" if i == params.max_tokens - 1 else None
+            if not delta and not done:
+                continue
+            ids = ctx[-1:] if delta else ctx[n0:]
+            text = self.tokenizer.decode(ids) if params.detokenize else ""
+            yield RequestOutput(request_id, prompt.get("prompt"), prompt["prompt_token_ids"], None,
+                                [CompletionOutput(0, text, ids, None, None, finish_reason=done)], done is not None)
+
+
+class HttpBuilder(FakeBuilder):
+    """The fake builder with the demo model's real front (renderer, tokenizer, detokenizer)."""
 
     build_s = 0.0
 
-    def _build_generation(self, number):
+    def __init__(self, vllm_config):
+        super().__init__()
+        from executor.engine import frontend_for
+
+        self.vllm_config = vllm_config
+        self.renderer, self.input_processor = frontend_for(vllm_config)
+
+    def build(self, number):
         if number > 1:
             time.sleep(self.build_s)
-        return super()._build_generation(number)
+        engine = FakeEngine(self.vllm_config, self.renderer.get_tokenizer())
+        self.engines.append(engine)
+        return Generation(number, f"fake-g{number}", engine, set(), 0.0)
+
+    def front(self, engine):
+        return self.renderer, self.input_processor
+
+    def new_detokenizer(self, tokenizer, prompt_token_ids, params, request_id):
+        from executor.engine import new_detokenizer
+
+        return new_detokenizer(tokenizer, prompt_token_ids, params, request_id)
 
 
 async def started(tmp_path, build_s=0.0, **supervisor):
-    sup = SlowBuildSupervisor(settings(tmp_path, **supervisor))
-    sup.build_s = build_s
+    args, vllm_config = demo_front()
+    args = SimpleNamespace(**vars(args))
+    args.port = free_port()
+    builder = HttpBuilder(vllm_config)
+    builder.build_s = build_s
+    builder.engine_args = args
+    sup = FakeSupervisor(settings(tmp_path, **supervisor), builder=builder)
     owner = asyncio.create_task(sup.run())
     await wait_for(lambda: sup.state is State.READY)
-    sup.tokenizer = FakeTokenizer()
-    # A real uvicorn on loopback: httpx's ASGI transport would buffer whole streams.
-    port = free_port()
-    server = UvicornServer(uvicorn.Config(build_app(sup), host="127.0.0.1", port=port, log_level="warning"))
-    serving = asyncio.create_task(server.serve())
-    await wait_for(lambda: server.started)
-    sup._test_server = (server, serving)
-    client = httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30)
+    front = Front(sup, args)
+    front.bind()
+    serving = asyncio.create_task(front.serve())
+    await wait_for(lambda: front.app is not None and front.server.started)
+    sup._test_server = (front, serving)
+    client = httpx.AsyncClient(base_url=f"http://127.0.0.1:{args.port}", timeout=30)
     return sup, owner, client
 
 
 async def finish(sup, owner, client):
     await client.aclose()
-    server, serving = sup._test_server
-    server.should_exit = True
+    front, serving = sup._test_server
+    await front.stop()
     await serving
     if not owner.done():
         owner.cancel()
@@ -102,7 +186,7 @@ def test_admission_queue_full_and_admission_timeout_get_503_with_retry_after(tmp
         kill(sup)
         await wait_for(lambda: sup.state is State.RECOVERING)
         waiting = asyncio.create_task(client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2}))
-        await wait_for(lambda: sup.waiting_new == 1)
+        await wait_for(lambda: sup.client.waiting_new == 1)
         full = await client.post("/v1/completions", json={"prompt": "b", "max_tokens": 2})
         assert full.status_code == 503 and "admission queue is full" in full.json()["error"]["message"]
         assert int(full.headers["retry-after"]) > 0
@@ -129,19 +213,23 @@ def test_parked_stream_past_recovery_timeout_ends_with_an_error_event(tmp_path):
 
 
 def test_a_request_that_cannot_be_continued_ends_with_a_clear_retriable_error(tmp_path):
+    """Streamed with a presence penalty, cut mid-stream: a clear retriable error. The same
+    request not streamed has delivered nothing when cut: it simply runs again."""
     async def scenario():
         sup, owner, client = await started(tmp_path)
         body = {"prompt": "abc", "max_tokens": 40, "presence_penalty": 0.5}
         text, error = await read_stream(client, body, on_tokens=lambda n: n == 5 and kill(sup))
         assert error and "cannot be continued exactly" in error["message"] and "penalties" in error["message"]
         await wait_for(lambda: sup.state is State.READY and sup.generation_number == 2)
-        whole = asyncio.create_task(client.post("/v1/completions", json=body))
+        # Not streamed, nothing was delivered when the engine died: it runs again, exactly.
+        reference = (await client.post("/v1/completions", json={**body, "temperature": 0})).json()
+        whole = asyncio.create_task(client.post("/v1/completions", json={**body, "temperature": 0}))
         await wait_for(lambda: sup.current.pumps)  # running on generation 2
         await asyncio.sleep(0.05)
         kill(sup)
         r = await whole
-        assert r.status_code == 503 and "cannot be continued exactly" in r.json()["error"]["message"]
-        assert int(r.headers["retry-after"]) > 0
+        assert r.status_code == 200 and sup.generation_number == 3, r.text
+        assert r.json()["choices"] == reference["choices"] and r.json()["usage"] == reference["usage"]
         await finish(sup, owner, client)
 
     run(scenario())
@@ -169,7 +257,7 @@ def test_sigterm_drains_running_streams_and_rejects_new_requests(tmp_path):
     async def scenario():
         sup, owner, client = await started(tmp_path, drain_timeout_s=30)
         running = asyncio.create_task(read_stream(client, {"prompt": "abc", "max_tokens": 200, "temperature": 0}))
-        await wait_for(lambda: sup.in_flight == 1)
+        await wait_for(lambda: sup.client.in_flight == 1)
         sup.post(SignalReceived(signal.SIGTERM))
         await wait_for(lambda: sup.state is State.STOPPING)
         late = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
@@ -177,7 +265,7 @@ def test_sigterm_drains_running_streams_and_rejects_new_requests(tmp_path):
         assert int(late.headers["retry-after"]) > 0
         assert sup.state is State.STOPPING and not running.done()  # still draining
         text, error = await running
-        assert error is None and text.count("<") == 200  # finished in full on the old engine
+        assert error is None and len(sup.engines) == 1  # finished in full on the old engine
         assert await owner == 0 and sup.state is State.STOPPED
         await finish(sup, owner, client)
 

@@ -12,12 +12,12 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import CollectorRegistry
 from vllm import SamplingParams
+from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from config import load_settings
-from supervisor.daemon import (
-    EXIT_FAILED, EngineFailed, EngineUnavailable, Generation, RequestFailed, SignalReceived, Supervisor,
-)
+from supervisor.daemon import EXIT_FAILED, EngineUnavailable, Generation, RequestFailed, Supervisor
+from supervisor.events import EngineFailed, SignalReceived
 from supervisor.states import State
 
 
@@ -42,8 +42,13 @@ class FakeEngine:
         self.shut = False
         self.requests_seen: list = []
 
+    vllm_config = model_config = SimpleNamespace()
+
     def get_tokenizer(self):
         return object()
+
+    async def get_supported_tasks(self):
+        return ("generate",)
 
     def shutdown(self, timeout=None):
         self.shut = True
@@ -82,7 +87,8 @@ class FakeEngine:
             text, sent = (full[sent:] if params.detokenize else "COLD"), len(full)
             yield SimpleNamespace(outputs=[SimpleNamespace(token_ids=[tok], text=text, finish_reason=done,
                                                            stop_reason=stop)],
-                                  finished=done is not None, prompt_token_ids=prompt["prompt_token_ids"])
+                                  finished=done is not None, prompt_token_ids=prompt["prompt_token_ids"],
+                                  prompt=None, prompt_logprobs=None)
             if done:
                 return
 
@@ -120,25 +126,36 @@ class FakeDetokenizer:
         return self.output_text if finished or not self.hold else self.output_text[: -self.hold]
 
 
-class FakeSupervisor(Supervisor):
-    """Only the parts that talk to Ray and vLLM are replaced."""
+def fake_args(**changes):
+    """The parts of vLLM's serve Namespace the owner reads."""
+    return SimpleNamespace(**{"api_key": None, "model": "/fake", "served_model_name": ["fake"], "host": "127.0.0.1",
+                              "port": 8000, "max_model_len": 256, **changes})
 
-    def __init__(self, settings, build_failures: int = 0, reload_settings=None):
-        super().__init__(settings, registry=CollectorRegistry(), reload_settings=reload_settings)
+
+class FakeBuilder:
+    """``supervisor.builder.EngineBuilder`` without Ray or vLLM: fake engines, instant teardown."""
+
+    world_size = 1
+    uses_ray = True
+    model_path, served_model_name = "/fake", "fake"
+
+    def __init__(self, build_failures: int = 0):
         self.engines: list[FakeEngine] = []
         self.build_failures = build_failures
         self.torn_down: list[int] = []
+        self.cluster = None
+        self.engine_args = fake_args()
 
-    def _prepare_model(self):
-        self.model_path, self.served_model_name = "/fake", "fake"
-
-    def _connect_ray(self):
-        return SimpleNamespace(started_local=True, reachable=lambda: True)
-
-    def _ensure_placement_group(self):
+    def prepare_model(self):
         pass
 
-    def _build_generation(self, number):
+    def connect_ray(self):
+        self.cluster = SimpleNamespace(started_local=True, reachable=lambda: True)
+
+    def ensure_placement_group(self):
+        pass
+
+    def build(self, number):
         time.sleep(0.05)
         if self.build_failures > 0:
             self.build_failures -= 1
@@ -147,21 +164,53 @@ class FakeSupervisor(Supervisor):
         self.engines.append(engine)
         return Generation(number, f"fake-g{number}", engine, set(), 0.05)
 
-    def _cleanup_failed_build(self, number):
+    def front(self, engine):
+        return SimpleNamespace(get_tokenizer=lambda: object()), None
+
+    def cleanup_failed_build(self, number):
         pass
 
-    def _new_detokenizer(self, prompt_token_ids, params, request_id):
+    def new_detokenizer(self, tokenizer, prompt_token_ids, params, request_id):
         return FakeDetokenizer(params)
 
-    def _teardown_generation(self, gen):
+    def teardown(self, gen):
         gen.engine.shutdown()
         self.torn_down.append(gen.number)
 
-    def _release_cluster(self):
+    def release_cluster(self):
         pass
 
-    def _kill_actors(self, instance_id):
+    def kill_actors(self, instance_id):
         return []
+
+    def kill_stuck_workers(self, gen):
+        pass
+
+    def workers(self, instance_id):
+        return []
+
+    def reachable(self):
+        return self.cluster.reachable()
+
+
+class FakeSupervisor(Supervisor):
+    """The real owner and request path over a ``FakeBuilder``."""
+
+    def __init__(self, settings, build_failures: int = 0, reload_settings=None, builder=None):
+        builder = builder or FakeBuilder(build_failures)
+        super().__init__(settings, builder.engine_args, registry=CollectorRegistry(),
+                         reload_settings=reload_settings, builder=builder)
+
+    engines = property(lambda self: self.builder.engines)
+    torn_down = property(lambda self: self.builder.torn_down)
+
+    @property
+    def build_failures(self):
+        return self.builder.build_failures
+
+    @build_failures.setter
+    def build_failures(self, n):
+        self.builder.build_failures = n
 
 
 def settings(tmp_path, **supervisor):
@@ -179,9 +228,9 @@ async def wait_for(predicate, timeout_s=10.0):
 
 
 async def collect(sup, prompt, n, on_token=None, text=None, **params):
-    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **params)
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, output_kind=RequestOutputKind.DELTA, **params)
     got = []
-    async for out in sup.generate(prompt, params, "req"):
+    async for out in sup.client.generate({"prompt_token_ids": prompt}, params, "req"):
         got += out.outputs[0].token_ids
         if text is not None:
             text.append((out.outputs[0].text, out.outputs[0].finish_reason, out.outputs[0].stop_reason))
@@ -255,7 +304,7 @@ def test_new_requests_wait_in_bounded_queue_during_recovery(tmp_path):
         sup.post(EngineFailed(1, "worker_death", "x"))
         await wait_for(lambda: sup.state is State.RECOVERING)
         waiting = asyncio.create_task(collect(sup, [4], 5))
-        await wait_for(lambda: sup.waiting_new == 1)
+        await wait_for(lambda: sup.client.waiting_new == 1)
         with pytest.raises(EngineUnavailable, match="admission queue is full"):
             await collect(sup, [4], 5)
         assert await waiting == reference([4], 5)  # served by the new engine
@@ -341,7 +390,7 @@ def test_lost_ray_cluster_is_a_failure_source(tmp_path):
         sup = FakeSupervisor(settings(tmp_path, max_restarts=0))
         owner = asyncio.create_task(sup.run())
         await wait_for(lambda: sup.state is State.READY)
-        sup._cluster.reachable = lambda: False
+        sup.builder.cluster.reachable = lambda: False
         assert await owner == EXIT_FAILED  # no budget to rebuild: FAILED, exit 3
         assert sup.restarts["ray_lost"] == 1
 
@@ -462,7 +511,7 @@ def test_reload_edge_cases(tmp_path):
             value = current["s"]
             if isinstance(value, Exception):
                 raise value
-            return value
+            return value, current.get("args", fake_args())
 
         sup = FakeSupervisor(settings(tmp_path), reload_settings=reload_settings)
         owner = asyncio.create_task(sup.run())
@@ -486,9 +535,8 @@ def test_reload_edge_cases(tmp_path):
         assert sup.cfg.max_restarts == 9
         await wait_for(lambda: sup.state is State.READY)
 
-        engine_change = settings(tmp_path, max_restarts=9)
-        engine_change.engine.max_model_len = 512
-        current["s"] = engine_change
+        current["s"] = settings(tmp_path, max_restarts=9)
+        current["args"] = fake_args(max_model_len=512)  # vllm serve's --max-model-len
         before = sup.generation_number
         sup._on_reload()
         await wait_for(lambda: sup.state is State.READY and sup.generation_number == before + 1)

@@ -1,0 +1,182 @@
+"""Everything that blocks on Ray or builds an engine: the owner calls these from worker
+threads (``asyncio.to_thread``), never on the event loop.
+
+The model, the Ray connection, the placement group (kept across generations while all its
+bundles are placed), one engine generation's build and teardown, and the actor kills.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any
+
+from config import Settings
+from supervisor import logs
+from supervisor.generation import Generation
+
+log = logs.get_logger("vllm_supervisor.builder")
+
+
+class EngineBuilder:
+    def __init__(self, settings: Settings, engine_args: Any, daemon_id: str, event_endpoint: str):
+        self.settings = settings
+        self.engine_args = engine_args  # vLLM's serve Namespace (``config.serve_args``)
+        self.daemon_id = daemon_id
+        self.event_endpoint = event_endpoint
+        self.cluster: Any = None
+        self.placement_group: Any = None
+        self.model_path = ""
+        self.served_model_name = ""
+        self._shm_before_build: set[str] = set()
+
+    @property
+    def world_size(self) -> int:
+        a = self.engine_args
+        return a.tensor_parallel_size * a.pipeline_parallel_size
+
+    @property
+    def uses_ray(self) -> bool:
+        return self.engine_args.distributed_executor_backend != "mp"
+
+    def instance_id(self, number: int) -> str:
+        return f"{self.daemon_id}-g{number}"
+
+    def prepare_model(self) -> None:
+        """The demo model is built locally when no model is named (no hub download)."""
+        a = self.engine_args
+        if a.model:
+            self.model_path = a.model
+            self.served_model_name = (a.served_model_name or [a.model])[0]
+            return
+        from supervisor.demo_model import build_demo_model
+
+        started = time.monotonic()
+        self.model_path = a.model = str(build_demo_model(self.settings.supervisor.data_dir))
+        self.served_model_name = (a.served_model_name or ["demo-tiny-llama"])[0]
+        a.served_model_name = [self.served_model_name]
+        log.warning("no model configured: serving the built-in demo model; its outputs are random noise",
+                    model_path=self.model_path, build_s=round(time.monotonic() - started, 2))
+
+    def connect_ray(self) -> None:
+        from executor.cluster import RayCluster
+
+        self.cluster = RayCluster(self.settings.ray)
+        address = self.cluster.connect()
+        log.info("ray connected", address=address, local=self.cluster.started_local)
+
+    def ensure_placement_group(self) -> None:
+        """Reuse the placement group while all its bundles are placed, else re-create it."""
+        from executor.engine import is_cpu_platform
+
+        if self.cluster is None:  # the mp executor: no Ray, no placement group
+            return
+        if self.placement_group is not None:
+            if self.cluster.placement_group_ready(self.placement_group):
+                return
+            log.warning("placement group lost bundles; re-creating it")
+            self.cluster.remove_placement_group(self.placement_group)
+            self.placement_group = None
+        device = "CPU" if is_cpu_platform() else "GPU"
+        started = time.monotonic()
+        self.placement_group = self.cluster.create_placement_group(f"{self.daemon_id}-pg", self.world_size, device)
+        log.info("placement group ready", bundles=self.world_size, device=device, took_s=round(time.monotonic() - started, 3))
+
+    def build(self, number: int) -> Generation:
+        from executor.engine import EngineSpec, build_engine
+        from executor.shm import vllm_segments
+
+        instance_id = self.instance_id(number)
+        shm_before = vllm_segments()
+        started = time.monotonic()
+        log.info("building engine", engine_generation=number, instance_id=instance_id)
+        self._shm_before_build = shm_before
+        engine = build_engine(EngineSpec(
+            # a copy: vLLM's config builders mutate what they are given (a reload compares args)
+            args=copy.deepcopy(self.engine_args), generation=number, instance_id=instance_id,
+            event_endpoint=self.event_endpoint,
+            placement_group=self.placement_group, kv_cache_space_gib=self.settings.engine.kv_cache_space_gib,
+        ))
+        build_s = time.monotonic() - started
+        log.info("engine up", engine_generation=number, build_s=round(build_s, 2))
+        return Generation(number, instance_id, engine, shm_before, build_s)
+
+    def front(self, engine: Any) -> tuple[Any, Any]:
+        """The request path's own renderer and input processor (they outlive ``engine``)."""
+        from executor.engine import frontend_for
+
+        return frontend_for(engine.vllm_config)
+
+    def cleanup_failed_build(self, number: int) -> None:
+        """A build that raised may have left actors and rings; unmapped rings only are removed."""
+        from executor.shm import sweep, vllm_segments
+
+        self.kill_actors(self.instance_id(number))
+        sweep(vllm_segments() - self._shm_before_build)
+
+    def new_detokenizer(self, tokenizer: Any, prompt_token_ids: list[int], params: Any, request_id: str) -> Any:
+        from executor.engine import new_detokenizer
+
+        return new_detokenizer(tokenizer, prompt_token_ids, params, request_id)
+
+    def teardown(self, gen: Generation) -> None:
+        from executor.engine import engine_worker_pids, kill_pids, shutdown_engine
+        from executor.shm import sweep, vllm_segments
+
+        started = time.monotonic()
+        local_workers = [] if self.cluster else engine_worker_pids(gen.engine)  # before their parent goes
+        try:
+            # A failed engine core is not waited for: 1 s to exit on SIGTERM, then SIGKILL.
+            shutdown_engine(gen.engine, timeout_s=1.0 if gen.failed else 5.0)
+        except Exception:
+            log.exception("engine shutdown raised", engine_generation=gen.number)
+        killed = self.kill_actors(gen.instance_id) if self.cluster else kill_pids(local_workers)
+        # Killed workers may take a moment to exit and unmap their rings.
+        removed: list[str] = []
+        deadline = time.monotonic() + 10.0
+        while True:
+            removed += sweep(vllm_segments() - gen.shm_before)
+            if not (vllm_segments() - gen.shm_before) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        log.info("engine torn down", engine_generation=gen.number, leftover_actors_killed=killed,
+                 shm_removed=removed, took_s=round(time.monotonic() - started, 2))
+
+    def release_cluster(self) -> None:
+        if self.cluster is None:
+            return
+        if self.placement_group is not None:
+            self.cluster.remove_placement_group(self.placement_group)
+            self.placement_group = None
+        self.cluster.shutdown()
+        log.info("ray released", stopped_local_cluster=self.cluster.started_local)
+
+    def kill_actors(self, instance_id: str) -> list[str]:
+        if self.cluster is None:
+            return []
+        try:
+            return self.cluster.kill_actors_named(f"_{instance_id}")
+        except Exception as exc:
+            log.warning("could not list/kill actors", error=str(exc))
+            return []
+
+    def kill_stuck_workers(self, gen: Generation) -> None:
+        from executor.engine import kill_engine_workers
+
+        killed = self.kill_actors(gen.instance_id) if self.cluster else kill_engine_workers(gen.engine)
+        log.warning("killed stuck workers", killed=killed)
+
+    def kill_worker(self, instance_id: str, rank: int) -> list[str]:
+        from executor.cluster import worker_actor_name
+
+        a = self.engine_args
+        return self.cluster.kill_actor_exact(
+            worker_actor_name(instance_id, rank, a.tensor_parallel_size, a.pipeline_parallel_size))
+
+    def workers(self, instance_id: str) -> list[dict[str, Any]]:
+        if self.cluster is None or not hasattr(self.cluster, "workers"):
+            return []
+        return self.cluster.workers(instance_id)
+
+    def reachable(self) -> bool:
+        return self.cluster is None or self.cluster.reachable()

@@ -1,0 +1,85 @@
+"""One engine generation and the errors a request sees when no engine can finish it."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import time
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Any
+
+from vllm.exceptions import GracefulHTTPError
+
+
+class Interrupted(Exception):
+    """The request's engine generation was declared failed while it was running."""
+
+
+class EngineUnavailable(GracefulHTTPError):
+    """No engine can take the request now: HTTP 503 (+ ``Retry-After`` from the front)."""
+
+    def __init__(self, reason: str, retry_after_s: int = 5):
+        super().__init__(reason, HTTPStatus.SERVICE_UNAVAILABLE)
+        self.retry_after_s = retry_after_s
+
+
+class RequestFailed(GracefulHTTPError):
+    """A request that was in flight cannot be finished; the client should retry it (503)."""
+
+    retry_after_s = 5
+
+    def __init__(self, message: str):
+        super().__init__(message, HTTPStatus.SERVICE_UNAVAILABLE)
+
+
+@dataclass
+class Generation:
+    """One engine and what it owns."""
+
+    number: int
+    instance_id: str
+    engine: Any  # vllm.v1.engine.async_llm.AsyncLLM
+    shm_before: set[str]
+    build_s: float
+    # request stream task -> (start time, its output queue)
+    pumps: dict[asyncio.Task, tuple[float, asyncio.Queue]] = field(default_factory=dict)
+    # cancelled streams still inside AsyncLLM.generate's abort of a dead engine
+    lingering: set[asyncio.Task] = field(default_factory=set)
+    failed: bool = False
+
+    async def reap_lingering(self, timeout_s: float = 2.0) -> None:
+        """After shutdown: a second cancel ends an abort that the dead engine never answers
+        (each such task holds the old engine, its zmq sockets and threads)."""
+        for task in self.lingering:
+            task.cancel()
+        if self.lingering:
+            await asyncio.wait(self.lingering, timeout=timeout_s)
+        self.lingering = {t for t in self.lingering if not t.done()}
+
+    def release(self) -> float:
+        """Drop the torn-down engine and collect it now; returns the seconds that took.
+
+        An ``AsyncLLM`` sits in reference cycles with its zmq context (two I/O threads and a
+        reaper), sockets and queues; left to the cyclic GC it goes whenever a full collection
+        happens to run, so threads and fds drift up over recoveries. One collection per
+        recovery (a rare event) returns them at once."""
+        self.engine = None
+        self.pumps.clear()
+        started = time.monotonic()
+        gc.collect()
+        return time.monotonic() - started
+
+    def interrupt_streams(self) -> None:
+        """Park every request of this generation now. The consumer is told directly: a
+        cancelled ``AsyncLLM.generate`` awaits an abort that a dead engine never answers."""
+        for task, (_start, queue) in list(self.pumps.items()):
+            queue.put_nowait(Interrupted())
+            task.cancel()
+
+
+def is_engine_death(exc: BaseException, gen: Generation) -> bool:
+    """An error that means the engine (not the request) failed."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    return isinstance(exc, EngineDeadError) or bool(gen.engine.errored)

@@ -1,0 +1,236 @@
+"""Starting, recovering and stopping engine generations (a part of the owner,
+``supervisor.daemon.Supervisor``, whose task runs every method here).
+
+A failure marks the serving generation failed, parks its streams, and starts a recovery:
+drain the streams' hold on it, tear it down (engine core, actors, shared-memory rings),
+then build the next generation on the same placement group, under the restart intensity
+limit and with backoff between failed builds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from health.metrics import death_cause
+from supervisor import logs
+from supervisor.events import EngineFailed, RecoveryFinished, StopFinished
+from supervisor.generation import Generation
+from supervisor.policy import backoff_s
+from supervisor.states import State
+
+log = logs.get_logger("vllm_supervisor.recovery")
+
+EXIT_OK = 0
+EXIT_FAILED = 3  # documented: restart budget exhausted, or the first engine could not start
+
+
+class Lifecycle:
+    def __init__(self) -> None:
+        self._building: int | None = None  # generation number being built
+        self._doomed: set[int] = set()  # generations that failed while being built
+        self.next_generation = 1
+        self.recoveries: list[dict[str, Any]] = []
+        self._recovery: asyncio.Task | None = None
+        self._active_record: dict[str, Any] | None = None  # the recovery under way
+        self._reattach = False  # a reload changed engine arguments: the front takes the new config
+
+    # --- failures -----------------------------------------------------------------
+
+    def _on_engine_failed(self, event: EngineFailed) -> None:
+        if event.generation == self._building:
+            log.error("engine failed while starting", failed_generation=event.generation, cause=event.reason, detail=event.detail)
+            self._doomed.add(event.generation)
+            return
+        if self._refine_cause(event):
+            return
+        gen = self.current
+        if gen is None or event.generation != gen.number or gen.failed:
+            log.info("ignoring failure of a retired generation", failed_generation=event.generation, cause=event.reason)
+            return
+        if self.state is State.STOPPING:
+            return
+        gen.failed = True
+        if event.reason == "worker_death":
+            self._worker_death_seen(event)
+        log.error("engine failed", cause=event.reason, detail=event.detail[:500],
+                  detect_ms=round((time.monotonic() - event.detected_monotonic) * 1000, 1))
+        self.machine.transition(State.RECOVERING, f"{event.reason}: {event.detail[:200]}")
+        gen.interrupt_streams()  # park every in-flight request
+        self._begin_record(gen, event)
+        self._recovery = self._spawn(self._recover(gen, event))
+
+    def _begin_record(self, old: Generation, event: EngineFailed) -> dict[str, Any]:
+        """The record of the recovery from ``old``; open (``_refine_cause`` may still sharpen
+        its cause) until the recovery ends."""
+        self._active_record = {"reason": event.reason, "detail": event.detail[:300], "from_generation": old.number,
+                               "detected_monotonic": event.detected_monotonic, "phases_s": {},
+                               # from the whole of Ray's death cause (the detail is cut short)
+                               "cause": death_cause(event.detail) if event.reason == "worker_death" else None}
+        return self._active_record
+
+    def _refine_cause(self, event: EngineFailed) -> bool:
+        """A worker-death report that lost the race to an ``EngineDeadError`` of a request
+        (the engine core fails as its worker dies) names the same failure more precisely:
+        the recovery under way takes its reason, ranks and cause. Only reports detected
+        before that recovery's teardown began (which kills the workers itself) count."""
+        rec = self._active_record
+        if (event.reason != "worker_death" or rec is None or rec["from_generation"] != event.generation
+                or rec["reason"] != "engine_dead" or event.detected_monotonic >= rec.get("teardown_monotonic", float("inf"))):
+            return False
+        rec.update(reason="worker_death", detail=event.detail[:300], refined_from="engine_dead",
+                   cause=death_cause(event.detail))
+        self._worker_death_seen(event)
+        log.info("failure cause refined", cause="worker_death", detail=event.detail[:300])
+        return True
+
+    # --- starting and recovering --------------------------------------------------------
+
+    async def _start(self) -> None:
+        try:
+            await asyncio.to_thread(self.builder.prepare_model)
+            if self.builder.uses_ray:
+                await asyncio.to_thread(self.builder.connect_ray)
+                self._install_signal_handlers()
+        except Exception as exc:
+            log.exception("first start failed")
+            self.post(RecoveryFinished(False, f"could not start: {type(exc).__name__}: {exc}"))
+            return
+        ok, detail = await self._bring_up(first=True)
+        self.post(RecoveryFinished(ok, detail))
+
+    async def _recover(self, old: Generation, event: EngineFailed) -> None:
+        started = time.monotonic()
+        record = self._active_record
+        if record is None or record["from_generation"] != old.number:
+            record = self._begin_record(old, event)
+        phases: dict[str, float] = record["phases_s"]
+        phases["detect"] = max(0.0, started - event.detected_monotonic)
+        try:
+            t = time.monotonic()
+            if event.kill_workers:  # a hang: the stuck workers go first (SIGKILL works on stopped ones)
+                await asyncio.to_thread(self.builder.kill_stuck_workers, old)
+            await self._drain_pumps(old)
+            phases["drain"] = time.monotonic() - t
+            t = record["teardown_monotonic"] = time.monotonic()
+            await asyncio.to_thread(self.builder.teardown, old)
+            await old.reap_lingering()
+            self.current = None
+            phases["teardown"] = time.monotonic() - t
+            self._release_soon(old)
+            ok, detail = await self._bring_up(first=False, phases=phases)
+        except Exception as exc:
+            log.exception("recovery failed")
+            ok, detail = False, f"recovery failed: {type(exc).__name__}: {exc}"
+        finally:  # also when cancelled: the record is closed and the restart counted
+            self._active_record = None
+            self._count_restart(record["reason"])
+        record.update(ok=ok, total_s=time.monotonic() - started, to_generation=self.generation_number,
+                      ready_monotonic=time.monotonic())
+        self.recoveries.append(record)
+        if ok:
+            self.metrics.recovery(record["total_s"] + phases["detect"], phases)
+        log.info("recovery finished", ok=ok, **{f"{k}_s": round(v, 3) for k, v in phases.items()},
+                 total_s=round(record["total_s"], 3))
+        self.post(RecoveryFinished(ok, detail))
+
+    async def _bring_up(self, first: bool, phases: dict[str, float] | None = None) -> tuple[bool, str]:
+        """Place the workers and build engines until one is up, the restart budget is
+        spent, or a stop is requested. Returns (ok, detail)."""
+        phases = phases if phases is not None else {}
+        attempt = 0
+        while True:
+            if self.state is State.STOPPING:
+                return True, "stopping"
+            if (not first or attempt > 0) and not self.intensity.record():
+                return False, (f"restart intensity exceeded: more than {self.cfg.max_restarts} restarts "
+                               f"in {self.cfg.restart_window_s:g} s")
+            delay = backoff_s(attempt, self.cfg.restart_backoff_initial_s, self.cfg.restart_backoff_max_s)
+            if delay:
+                await asyncio.sleep(delay)
+            attempt += 1
+            number = self._building = self.next_generation
+            self.next_generation += 1
+            try:
+                t = time.monotonic()
+                await asyncio.to_thread(self.builder.ensure_placement_group)
+                phases["placement_group"] = time.monotonic() - t
+                t = time.monotonic()
+                gen = await asyncio.to_thread(self.builder.build, number)
+                phases["engine_start"] = time.monotonic() - t
+                if self.client.model_config is None or self._reattach:  # first engine, or a reload changed it
+                    front = await asyncio.to_thread(self.builder.front, gen.engine)
+                    self.client.attach(gen.engine, await gen.engine.get_supported_tasks(), front)
+                    self._reattach = False
+            except Exception as exc:
+                self._building = None
+                self._count_restart("build_failed")
+                log.error("engine build failed", failed_generation=number, error=f"{type(exc).__name__}: {exc}"[:500])
+                if type(exc).__name__ == "PlacementGroupTimeout" and self.state is State.RECOVERING:
+                    self.machine.transition(State.RECOVERING, f"waiting for capacity: {exc}")
+                await asyncio.to_thread(self.builder.cleanup_failed_build, number)
+                continue
+            self._building = None
+            if number in self._doomed or self.state is State.STOPPING:
+                self._doomed.discard(number)
+                await self._discard(gen)
+                if self.state is State.STOPPING:
+                    return True, "stopping"
+                self._count_restart("build_failed")
+                continue
+            self.current = gen
+            verb = "up" if first and attempt == 1 else "recovered"
+            self.machine.transition(State.READY, f"engine generation {number} {verb} in {gen.build_s:.1f} s")
+            return True, ""
+
+    async def _discard(self, gen: Generation) -> None:
+        await asyncio.to_thread(self.builder.teardown, gen)
+        await gen.reap_lingering()
+        self._release_soon(gen)
+
+    async def _drain_pumps(self, gen: Generation, timeout_s: float = 5.0) -> None:
+        """Wait (bounded) until every request stream of ``gen`` has let go of it."""
+        deadline = time.monotonic() + timeout_s
+        while gen.pumps and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+
+    def _release_soon(self, gen: Generation, delay_s: float = 2.0) -> None:
+        """Collect a torn-down generation off the recovery's critical path: the full collection
+        holds the GIL for a few hundred ms, and ``delay_s`` after the next build started, that
+        build is waiting for its engine-core process to import vLLM, not for this process."""
+
+        def release() -> None:
+            log.info("old engine released", engine_generation=gen.number, gc_s=round(gen.release(), 3),
+                     lingering=len(gen.lingering))
+
+        asyncio.get_running_loop().call_later(delay_s, release)
+
+    # --- stopping -----------------------------------------------------------------
+
+    def _begin_stop(self, reason: str) -> None:
+        """Stop admitting at once; drain, tear down and report ``StopFinished``."""
+        self.machine.transition(State.STOPPING, reason)
+        self._spawn(self._stop())
+
+    async def _stop(self) -> None:
+        try:
+            if self.client.in_flight and self.exit_code == EXIT_OK and self.current is not None:
+                timeout = self.cfg.drain_timeout_s
+                log.info("draining", in_flight=self.client.in_flight, timeout_s=timeout)
+                try:
+                    await asyncio.wait_for(self.client.idle.wait(), timeout)
+                except asyncio.TimeoutError:
+                    log.warning("drain deadline passed", in_flight=self.client.in_flight)
+            if self._recovery is not None:  # let an engine build in progress finish, then drop it
+                await asyncio.wait({self._recovery}, timeout=self.cfg.recovery_timeout_s)
+            gen, self.current = self.current, None
+            if gen is not None:
+                gen.interrupt_streams()
+                await asyncio.to_thread(self.builder.teardown, gen)
+                await gen.reap_lingering()
+            await asyncio.to_thread(self.builder.release_cluster)
+        except Exception:
+            log.exception("error while stopping")
+        finally:
+            self.post(StopFinished())
