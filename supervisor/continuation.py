@@ -22,6 +22,8 @@ def why_not_continuable(params: Any) -> str | None:
         return "presence/frequency penalties count only generated tokens"
     if getattr(params, "seed", None) is not None and (params.temperature or 0) > 0:
         return "seeded sampling cannot resume its random stream"
+    if getattr(params, "logprobs", None) is not None:
+        return "per-token logprobs are not continued (the new engine does not detokenize)"
     if getattr(params, "bad_words", None):
         return "bad_words are matched against generated tokens only (one could straddle the resume point)"
     return None
@@ -45,6 +47,7 @@ def continuation_params(params: Any, delivered: int) -> Any:
     sub.max_tokens = remaining
     sub.min_tokens = max(0, (params.min_tokens or 0) - delivered)
     sub.stop = []
+    sub.prompt_logprobs = None  # delivered with the first output; the prompt is now longer
     sub.output_text_buffer_length = 0
     sub.detokenize = False
     return sub

@@ -24,7 +24,7 @@ from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from supervisor import logs, testhooks
-from supervisor.continuation import NotContinuable, SeamText, continuation_params
+from supervisor.continuation import NotContinuable, SeamText, continuation_params, why_not_continuable
 from supervisor.generation import EngineUnavailable, Generation, Interrupted, RequestFailed, is_engine_death
 from supervisor.states import State
 
@@ -130,17 +130,24 @@ class SupervisedEngineClient(EngineClient):
 
         After a seam the text and the stop strings come from a ``SeamText`` that has seen
         the original prompt and every delivered token; the new engine supplies token ids.
-        A request whose outputs are only sent at the end (``FINAL_ONLY``, the front's
-        non-streaming mode) has delivered nothing when interrupted: it simply runs again."""
+        The front's non-streaming mode (``FINAL_ONLY``) is run as a stream here and answered
+        with one output at the end, so it continues mid-way too; when it cannot be
+        continued it is run as asked and, interrupted, simply runs again (nothing was sent)."""
         owner = self.owner
         params = sampling_params
+        final_only = (params.output_kind == RequestOutputKind.FINAL_ONLY and params.n == 1
+                      and why_not_continuable(params) is None)
+        if final_only:
+            params = copy.copy(params)
+            params.output_kind = RequestOutputKind.DELTA
         pristine = copy.deepcopy(params)
         delta = params.output_kind == RequestOutputKind.DELTA
         prompt_ids: list[int] | None = None
         first_prompt_text: str | None = None
         delivered: list[int] = []
         delivered_text: list[str] = []
-        yielded = False
+        yielded = seen_output = False
+        first_prompt_logprobs: Any = None
         seam: SeamText | None = None
         hold_after = testhooks.hold_midchar_after(params) if self._test_hooks else None
         attempt = 0
@@ -156,10 +163,10 @@ class SupervisedEngineClient(EngineClient):
             while True:
                 gen = await self._admit(parked=attempt > 0, not_gen=dead)
                 try:
-                    if not yielded:
+                    if not yielded and not delivered:
                         sub, engine_prompt, kw = copy.deepcopy(pristine), prompt, kwargs
                     else:
-                        if not delta or params.n != 1:  # FINAL_ONLY never gets here: it yields once, at the end
+                        if not delta or params.n != 1:  # a FINAL_ONLY output is only yielded at the end
                             raise NotContinuable("n > 1" if params.n != 1 else f"output kind {params.output_kind.name}")
                         sub = continuation_params(pristine, len(delivered))
                         engine_prompt = continuation_input(prompt, prompt_ids or [], delivered)
@@ -177,6 +184,7 @@ class SupervisedEngineClient(EngineClient):
                         c = out.outputs[0]
                         if prompt_ids is None:
                             prompt_ids, first_prompt_text = list(out.prompt_token_ids or []), getattr(out, "prompt", None)
+                            first_prompt_logprobs = getattr(out, "prompt_logprobs", None)
                         if seam is not None:
                             c.text, c.token_ids, c.finish_reason, c.stop_reason = seam.step(
                                 c.token_ids, c.finish_reason, c.stop_reason)
@@ -184,7 +192,8 @@ class SupervisedEngineClient(EngineClient):
                             out.finished = c.finish_reason is not None
                         ids = c.token_ids
                         now = time.monotonic()
-                        if not yielded:
+                        if not seen_output:
+                            seen_output = True
                             m.ttft.observe(now - arrived)
                         elif ids:
                             m.itl.observe((now - last) / len(ids))
@@ -192,7 +201,15 @@ class SupervisedEngineClient(EngineClient):
                         if delta:
                             delivered += ids
                             delivered_text.append(c.text)
-                        yielded = True
+                        if final_only:  # one output at the end, as the front asked
+                            if not out.finished:
+                                if hold_after is not None and attempt == 0:
+                                    await self._maybe_hold(gen, delivered, hold_after)
+                                continue
+                            c.text, c.token_ids = "".join(delivered_text), list(delivered)
+                            out.prompt_logprobs = first_prompt_logprobs
+                        else:
+                            yielded = True
                         yield out
                         if out.finished:
                             break  # a stop string found across the seam ends the request here
