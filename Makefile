@@ -1,4 +1,4 @@
-# vllm-supervisor: `make run` serves the demo model, `make test` runs the default suite.
+# vllm-supervisor: `make run` serves the demo model (ARGS: any `vllm serve` flags), `make test` runs the default suite.
 # Both create the virtual environment on first use. GPU hosts (nvidia-smi answers) get the
 # CUDA vLLM wheel; everything else gets the CPU build.
 
@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	@touch $@
 
 run: venv
-	$(VENV)/bin/vllm-supervisor run $(ARGS)
+	$(VENV)/bin/vllm-supervisor serve $(ARGS)
 
 test: venv
 	$(PY) -m pytest

@@ -17,7 +17,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from config.settings import RaySettings, Settings, SupervisorSettings, _parse_scalar, load_settings, parse_assignment
+from config.settings import (
+    EngineSettings, RaySettings, ServerSettings, Settings, SupervisorSettings, _parse_scalar, load_settings,
+    parse_assignment,
+)
 
 _RENAMED = {"supervisor.log_level": "--supervisor-log-level", "supervisor.log_format": "--supervisor-log-format"}
 
@@ -38,17 +41,20 @@ def supervision_flags() -> dict[str, str]:
 def add_supervision_group(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "supervision", "vllm-supervisor's own options (also in --supervisor-config TOML and VLLM_SUPERVISOR_* env)")
-    group.add_argument("--supervisor-config", metavar="TOML", default=None,
+    group.add_argument("--supervisor-config", metavar="TOML",
                        help="supervisor config file (vLLM's --config YAML stays vLLM's)")
     group.add_argument("--set", dest="sv_assignments", action="append", default=[], metavar="SECTION.KEY=VALUE",
                        help="set any supervisor config key (repeatable)")
-    models = {"supervisor": SupervisorSettings, "ray": RaySettings}
+    models = {"supervisor": SupervisorSettings, "ray": RaySettings, "server": ServerSettings, "engine": EngineSettings}
     for flag, dotted in supervision_flags().items():
         section, key = dotted.split(".")
-        field = models[section].model_fields[key] if section in models else None
-        text = (field.description or "") if field else ""
-        group.add_argument(flag, dest="sv__" + dotted.replace(".", "__"), default=None, metavar="V",
-                           help=f"{dotted}{': ' + text if text else ''}")
+        field = models[section].model_fields[key]
+        default = "" if field.default_factory else f" [default: {field.default!s}]"
+        text = f": {field.description}" if field.description else ""
+        # SUPPRESS: an absent flag leaves no attribute (the TOML/env value stands), and vLLM's
+        # help formatter prints no misleading "(default: None)".
+        group.add_argument(flag, dest="sv__" + dotted.replace(".", "__"), default=argparse.SUPPRESS, metavar="V",
+                           help=f"{dotted}{text}{default}")
 
 
 def supervision_overrides(ns: argparse.Namespace) -> dict[str, Any]:
@@ -68,7 +74,7 @@ def load_supervision(argv: list[str]) -> tuple[Settings, list[str]]:
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     add_supervision_group(pre)
     ns, rest = pre.parse_known_args(argv)
-    return load_settings(ns.supervisor_config, supervision_overrides(ns)), rest
+    return load_settings(getattr(ns, "supervisor_config", None), supervision_overrides(ns)), rest
 
 
 # vLLM flag dest -> the TOML [engine]/[server] key that gives its default

@@ -129,7 +129,7 @@ def _check_config(argv: list[str]) -> int:
     overrides = supervision_overrides(ns)
     overrides.update({k: v for k, v in (("server.host", ns.host), ("server.port", ns.port)) if v is not None})
     try:
-        settings = load_settings(ns.config or ns.supervisor_config, overrides)
+        settings = load_settings(ns.config or getattr(ns, "supervisor_config", None), overrides)
     except ConfigError as exc:
         print(str(exc), file=sys.stderr)
         return EXIT_CONFIG

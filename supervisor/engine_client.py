@@ -14,6 +14,7 @@ this module only reads its state and posts ``EngineFailed`` when a request sees 
 from __future__ import annotations
 
 import asyncio
+import collections
 import copy
 import time
 import uuid
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 log = logs.get_logger("vllm_supervisor.requests")
 
 _END = object()
+_RESERVATION_S = 10.0  # an admission slot reserved by check_admission, unused, is freed after this
 
 
 def continuation_input(prompt: Any, prompt_ids: list[int], delivered: list[int]) -> dict[str, Any]:
@@ -67,6 +69,7 @@ class SupervisedEngineClient(EngineClient):
         self.idle = asyncio.Event()
         self.idle.set()
         self._live: dict[str, tuple[Generation, str]] = {}  # client request id -> (generation, engine id)
+        self._reserved: collections.deque[float] = collections.deque()  # admission slots taken by check_admission
 
     def attach(self, engine: Any, tasks: tuple[str, ...], front: tuple[Any, Any]) -> None:
         """Take the model config and tasks of the first engine (and again after a reload
@@ -115,9 +118,16 @@ class SupervisedEngineClient(EngineClient):
             raise EngineUnavailable(f"daemon is {owner.state.value}: {owner.machine.reason}", retry_after_s=30)
         if owner.serving():
             owner.current.engine.check_admission(n, request_id)
-        elif self.waiting_new >= owner.cfg.admission_queue_size:
+            return
+        # The front awaits (renders the prompt) between this check and ``generate``: a slot is
+        # reserved here, so that a burst gets its 503s now, as a status, not in a started stream.
+        now = time.monotonic()
+        while self._reserved and now - self._reserved[0] > _RESERVATION_S:
+            self._reserved.popleft()
+        if self.waiting_new + len(self._reserved) >= owner.cfg.admission_queue_size:
             owner.count_outcome("rejected")
             raise EngineUnavailable(f"daemon is {owner.state.value} and its admission queue is full ({owner.cfg.admission_queue_size})")
+        self._reserved.append(now)
 
     async def get_supported_tasks(self) -> tuple[str, ...]:
         return self.supported_tasks
@@ -157,6 +167,8 @@ class SupervisedEngineClient(EngineClient):
         n_prompt = len(prompt.get("prompt_token_ids") or ()) if isinstance(prompt, dict) else None
         log.info("request", request_id=request_id, prompt_tokens=n_prompt, max_tokens=params.max_tokens,
                  n=params.n, output_kind=params.output_kind.name)
+        if self._reserved:
+            self._reserved.popleft()  # this request's slot is now counted in waiting_new, if it waits
         self.in_flight += 1
         self.idle.clear()
         try:

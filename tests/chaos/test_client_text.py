@@ -12,6 +12,7 @@ continued requests run (a second seam at an arbitrary token of the same requests
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import time
 
@@ -39,7 +40,8 @@ def daemon(tmp_path_factory, ray_head):
         "supervisor": {"max_restarts": 20, "probe_interval_s": 1.0, "restart_backoff_initial_s": 0.2,
                        "continuation_limit": 2},
     }
-    with Daemon(tmp_path_factory.mktemp("client-text"), config, env={"VLLM_SUPERVISOR_TEST_HOOKS": "1"}).start() as d:
+    with Daemon(tmp_path_factory.mktemp("client-text"), config, env={"VLLM_SUPERVISOR_TEST_HOOKS": "1"},
+                args=("--enable-auto-tool-choice", "--tool-call-parser", "hermes")).start() as d:
         d.wait_ready()
         inject.prepare(ray_head.address)  # so a fault lands mid-stream, not after a first vLLM import
         yield d
@@ -150,6 +152,109 @@ def test_continuation_limit_and_non_continuable_requests_through_real_kills(daem
             assert r.status == 503, r
         else:
             assert r.text  # what was delivered before the error stays delivered
+
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+HOLD = {"vllm_xargs": {"supervisor_test_hold_midchar": HOLD_AFTER}}
+LONG = {"temperature": 0, "max_tokens": 240}
+CHAT = [{"role": "user", "content": "Tell me about the weather"}]
+# (path, body, what the client should read after a kill): "exact" = equal to a fault-free run
+FEATURES = [
+    ("/v1/completions", {"prompt": "Once upon", "echo": True, "stream": True, "ignore_eos": True, **LONG}, "exact"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [TOOL], "tool_choice": "auto", "stream": True,
+                              "ignore_eos": True, **LONG}, "exact"),
+    ("/v1/responses", {"input": "Tell me a story", "temperature": 0, "max_output_tokens": 240, "stream": True}, "exact"),
+    ("/v1/responses", {"input": "Tell me a story", "temperature": 0, "max_output_tokens": 240}, "exact"),
+    ("/v1/completions", {"prompt": "The quick", "logprobs": 1, "ignore_eos": True, **LONG}, "exact"),  # not streamed: runs again
+    ("/v1/completions", {"prompt": "The quick", "n": 2, "seed": 5, "temperature": 0.8, "max_tokens": 240,
+                         "ignore_eos": True}, "exact"),  # not streamed: runs again
+    ("/v1/completions", {"prompt": "The quick", "logprobs": 1, "stream": True, "ignore_eos": True, **LONG}, "error"),
+    ("/v1/completions", {"prompt": "The quick", "n": 2, "seed": 5, "temperature": 0.8, "max_tokens": 240,
+                         "stream": True, "ignore_eos": True}, "error"),
+]
+
+
+async def read_answer(client, path: str, body: dict) -> dict:
+    """What a client reads: per choice (or the Responses output) the joined text, tool-call
+    arguments, finish reasons, logprob tokens and usage; or the error it got."""
+    out: dict = {"text": {}, "tools": {}, "finish": {}, "logprob_tokens": {}, "usage": None, "error": None}
+
+    def take(event: dict) -> None:
+        if "error" in event and "choices" not in event:
+            out["error"] = event["error"]
+        for c in event.get("choices") or []:
+            i = c["index"]
+            part = c.get("text") or (c.get("delta") or c.get("message") or {}).get("content") or ""
+            out["text"][i] = out["text"].get(i, "") + part
+            for t in (c.get("delta") or c.get("message") or {}).get("tool_calls") or []:
+                out["tools"][i] = out["tools"].get(i, "") + (t.get("function") or {}).get("arguments", "")
+            if c.get("finish_reason"):
+                out["finish"][i] = c["finish_reason"]
+            if (c.get("logprobs") or {}).get("tokens"):
+                out["logprob_tokens"][i] = out["logprob_tokens"].get(i, []) + c["logprobs"]["tokens"]
+        if event.get("usage"):
+            out["usage"] = event["usage"]
+        kind = event.get("type", "")
+        if kind == "response.output_text.delta":
+            out["text"][0] = out["text"].get(0, "") + event["delta"]
+        elif kind in ("error", "response.failed"):
+            out["error"] = event
+        elif kind == "response.completed":
+            out["usage"], out["finish"][0] = event["response"]["usage"], event["response"]["status"]
+        if event.get("object") == "response":
+            out["text"][0] = "".join(p.get("text", "") for o in event["output"] for p in o.get("content") or [])
+            out["usage"], out["finish"][0] = event["usage"], event["status"]
+
+    if body.get("stream"):
+        async with client.stream("POST", path, json=body) as r:
+            out["status"] = r.status_code
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    take(json.loads(line[6:]))
+    else:
+        r = await client.post(path, json=body)
+        out["status"] = r.status_code
+        take(r.json())
+    return out
+
+
+def test_vllm_front_features_across_a_kill(daemon, ray_head):
+    """What vLLM's front accepts, through a ``ray.kill`` with every request held mid-character
+    (the test hook): echo, tool calls (``--tool-call-parser hermes``), the Responses API
+    (streamed and not) and, not streamed, logprobs and ``n = 2`` read exactly what a
+    fault-free run reads; streamed logprobs and streamed ``n = 2`` end with a retriable error."""
+    import httpx
+
+    async def run_all(hold: bool, fault=None) -> list[dict]:
+        async with httpx.AsyncClient(base_url=daemon.base_url, timeout=600) as client:
+            tasks = [asyncio.create_task(read_answer(client, p, {**b, **(HOLD if hold else {})})) for p, b, _ in FEATURES]
+            if fault is not None:
+                deadline = time.monotonic() + 120
+                while True:
+                    s = await asyncio.to_thread(daemon.status)
+                    if s["test_held"] == len(FEATURES) - 2:  # the two not-streamed runs-again ones are never held
+                        break
+                    assert time.monotonic() < deadline and not all(t.done() for t in tasks), s
+                    await asyncio.sleep(0.05)
+                await asyncio.to_thread(fault)
+            return list(await asyncio.gather(*tasks))
+
+    reference = asyncio.run(run_all(hold=False))
+    assert all(r["status"] == 200 and r["error"] is None for r in reference), reference
+    before = daemon.status()
+    got = asyncio.run(run_all(hold=True, fault=lambda: inject.kill_worker(ray_head.address, rank=0)))
+    after = daemon.wait_generation(before["generation"] + 1, timeout_s=240)
+    assert after["restarts"].get("worker_death", 0) > before["restarts"].get("worker_death", 0)
+    for (path, body, expect), ref, r in zip(FEATURES, reference, got):
+        where = (path, sorted(body))
+        if expect == "exact":
+            assert r["error"] is None and r["status"] == 200, (where, r)
+            assert {k: r[k] for k in ("text", "tools", "finish", "logprob_tokens", "usage")} == \
+                   {k: ref[k] for k in ("text", "tools", "finish", "logprob_tokens", "usage")}, where
+        else:
+            assert r["error"] and "cannot be continued exactly" in json.dumps(r["error"]), (where, r)
+            assert r["status"] == 200 and any(r["text"].values())  # what was delivered stays delivered
 
 
 def test_sigterm_drains_running_streams_and_rejects_new_ones(daemon, ray_head, requests_and_reference):

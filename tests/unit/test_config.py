@@ -137,3 +137,60 @@ def test_cli_invalid_config_exits_78_before_ray_or_vllm(tmp_path):
     assert out.returncode == EXIT_CONFIG
     assert out.stderr.strip() == "config error: engine.tensor_parallel_size = 0: Input should be greater than or equal to 1"
     assert "IMPORTED []" in out.stdout
+
+
+# --- `vllm-supervisor serve`: vLLM's parser + the supervision group -------------------------
+
+
+def test_serve_help_shows_vllm_flags_and_the_supervision_group():
+    """As ``vllm serve --help``: the config groups, ours among them; ``--help=all`` every flag."""
+    out = run_cli("serve", "--help")
+    assert out.returncode == 0, out.stderr
+    assert "ParallelConfig" in out.stdout and "Frontend" in out.stdout and "supervision" in out.stdout
+    out = run_cli("serve", "--help=all")
+    for flag in ("--tensor-parallel-size", "--tool-call-parser", "--api-key", "--chat-template",  # vLLM's
+                 "--max-restarts", "--drain-timeout-s", "--hang-timeout-s", "--ray-address",
+                 "--ray-placement-strategy", "--control-socket", "--supervisor-config"):
+        assert flag in out.stdout, flag
+    assert "supervisor.max_restarts [default: 5]" in " ".join(out.stdout.split())
+
+
+def test_serve_bad_supervision_value_exits_78_before_vllm_is_imported():
+    code = ("import sys; from supervisor.cli import main; rc = main(['serve', 'some/model', '--max-restarts', '-1']);"
+            "print('IMPORTED', [m for m in ('ray', 'vllm', 'torch') if m in sys.modules]); sys.exit(rc)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == EXIT_CONFIG
+    assert out.stderr.strip() == "config error: supervisor.max_restarts = -1: Input should be greater than or equal to 0"
+    assert "IMPORTED []" in out.stdout
+
+
+@pytest.mark.parametrize("argv, code, message", [
+    (["--tensor-parallel-size", "two"], 2, "invalid int value"),  # vLLM's own argparse answer
+    (["--api-server-count", "2"], EXIT_CONFIG, "--api-server-count"),
+    (["--distributed-executor-backend", "uni"], EXIT_CONFIG, "supervised backends"),
+])
+def test_serve_flags_vllm_or_supervision_refuse(argv, code, message):
+    out = run_cli("serve", *argv)
+    assert out.returncode == code, out.stderr[-500:]
+    assert message in out.stderr
+
+
+def test_serve_precedence_flag_over_toml_engine_key_and_demo_defaults(tmp_path):
+    from supervisor.cli import parse_serve
+
+    path = write(tmp_path, """
+        [engine]
+        max_model_len = 512
+        extra_args = { max_num_seqs = 8 }
+        [supervisor]
+        max_restarts = 7
+    """)
+    settings, ns = parse_serve(["--supervisor-config", str(path), "--max-restarts", "9"])
+    assert settings.supervisor.max_restarts == 9  # flag over TOML
+    assert ns.model == "" and ns.max_model_len == 512 and ns.max_num_seqs == 8  # TOML [engine] as vLLM defaults
+    assert ns.dtype == "float32" and ns.enforce_eager and ns.host == "127.0.0.1"  # the demo model's defaults
+    _, ns = parse_serve(["--supervisor-config", str(path), "--max-model-len", "300", "--dtype", "bfloat16"])
+    assert ns.max_model_len == 300 and ns.dtype == "bfloat16"  # a vLLM flag beats both
+    _, ns = parse_serve(["my/model", "--port", "9001"])
+    assert ns.model == "my/model" and ns.max_model_len is None and ns.dtype == "auto"  # vLLM's defaults
+    assert ns.distributed_executor_backend == "ray" and ns.port == 9001
