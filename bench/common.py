@@ -101,7 +101,8 @@ def plain_vllm_serve(workdir: Path, *extra: str, max_model_len: int = 256) -> It
 def start_daemon(workdir: Path, head: RayHead, tp: int = 1, max_model_len: int = 1024, **supervisor: Any) -> Daemon:
     config = {"engine": {"tensor_parallel_size": tp, "max_model_len": max_model_len},
               "ray": {"address": head.address}, "supervisor": supervisor}
-    return Daemon(workdir, config, env={"RAY_AUTH_MODE": "token"}).start()
+    # the same front-end flag as VllmServe: vLLM's access log off in both
+    return Daemon(workdir, config, env={"RAY_AUTH_MODE": "token"}, args=("--disable-uvicorn-access-log",)).start()
 
 
 def bench_serve(base_url: str, result_dir: Path, name: str, num_prompts: int, rate: float, input_len: int,
