@@ -60,8 +60,13 @@ class DeathReporter:
         except Exception:
             logger.exception("could not report worker death to the supervisor")
 
+    def _late_dead(self) -> list[Dead]:
+        """Dead ranks found when the failure is reported without a monitor record (another
+        thread shut the executor down first); executors that can tell override this."""
+        return []
+
     def _publish(self) -> None:
-        dead = self._dead or [(-1, "", "", "executor failed (no dead rank identified)")]
+        dead = self._dead or self._late_dead() or [(-1, "", "", "executor failed (no dead rank identified)")]
         event = WorkerDeathEvent(
             generation=self._generation,
             ranks=[d[0] for d in dead],

@@ -12,7 +12,7 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, Any
 
-from supervisor import logs
+from supervisor import aio, logs
 from supervisor.events import EngineFailed
 from supervisor.generation import Interrupted
 from supervisor.states import State
@@ -70,7 +70,7 @@ class EngineProbe:
             if self._reach_check is None or self._reach_check.done():
                 self._reach_check = asyncio.ensure_future(asyncio.to_thread(sup.builder.reachable))
             try:
-                reachable = await asyncio.wait_for(asyncio.shield(self._reach_check), cfg.probe_timeout_s)
+                reachable = await aio.wait_for(asyncio.shield(self._reach_check), cfg.probe_timeout_s)
             except asyncio.TimeoutError:
                 reachable = False
             if not reachable:

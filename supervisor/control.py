@@ -57,7 +57,7 @@ async def serve_control(path: str, status: Any, submit: Any) -> None:
 
     import zmq.asyncio
 
-    from supervisor import logs
+    from supervisor import aio, logs
 
     log = logs.get_logger("vllm_supervisor.control")
     sock = zmq.asyncio.Context.instance().socket(zmq.REP)
@@ -77,7 +77,7 @@ async def serve_control(path: str, status: Any, submit: Any) -> None:
                 if cmd == "status":
                     reply = {"ok": True, "status": await status()}
                 else:
-                    reply = await asyncio.wait_for(submit(cmd, args), 60)
+                    reply = await aio.wait_for(submit(cmd, args), 60)
             except ValueError as exc:
                 reply = {"ok": False, "error": str(exc)}
             except Exception as exc:

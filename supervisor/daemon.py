@@ -33,7 +33,7 @@ from executor.events import WorkerDeathEvent
 from health.metrics import SupervisorMetrics, death_cause
 from health.notify import SystemdNotifier, watchdog_loop
 from health.probe import EngineProbe
-from supervisor import logs
+from supervisor import aio, logs
 from supervisor.builder import EngineBuilder
 from supervisor.engine_client import SupervisedEngineClient
 from supervisor.events import (
@@ -267,7 +267,7 @@ class Supervisor(Lifecycle, Operations):
         out["workers"] = []
         if gen is not None:
             try:
-                out["workers"] = await asyncio.wait_for(asyncio.to_thread(self.builder.workers, gen.instance_id), 10)
+                out["workers"] = await aio.wait_for(asyncio.to_thread(self.builder.workers, gen.instance_id), 10)
             except Exception as exc:
                 out["workers_error"] = str(exc)
         return out

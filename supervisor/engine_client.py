@@ -24,7 +24,7 @@ from vllm.engine.protocol import EngineClient
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.exceptions import EngineDeadError
 
-from supervisor import logs, testhooks
+from supervisor import aio, logs, testhooks
 from supervisor.continuation import NotContinuable, SeamText, continuation_params, why_not_continuable
 from supervisor.generation import EngineUnavailable, Generation, Interrupted, RequestFailed, is_engine_death
 from supervisor.states import State
@@ -361,7 +361,7 @@ class SupervisedEngineClient(EngineClient):
                     raise EngineUnavailable(f"daemon is {owner.state.value} ({owner.machine.reason}); no engine within {timeout:g} s")
                 owner.changed.clear()
                 try:
-                    await asyncio.wait_for(owner.changed.wait(), left)
+                    await aio.wait_for(owner.changed.wait(), left)
                 except asyncio.TimeoutError:
                     pass
         finally:

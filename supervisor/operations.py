@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from supervisor import logs
+from supervisor import aio, logs
 from supervisor.events import EngineFailed
 from supervisor.states import State
 
@@ -102,7 +102,7 @@ class Operations:
 
         async def drain_then_rebuild() -> None:
             try:
-                await asyncio.wait_for(self.client.idle.wait(), self.cfg.drain_timeout_s)
+                await aio.wait_for(self.client.idle.wait(), self.cfg.drain_timeout_s)
             except asyncio.TimeoutError:
                 log.warning("drain deadline passed; continuing the rest on the new engine", in_flight=self.client.in_flight)
             if gen is not self.current or gen is None or gen.failed or self.state is not State.DRAINING:

@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from health.metrics import death_cause
-from supervisor import logs
+from supervisor import aio, logs
 from supervisor.events import EngineFailed, RecoveryFinished, StopFinished
 from supervisor.generation import Generation
 from supervisor.policy import backoff_s
@@ -219,7 +219,7 @@ class Lifecycle:
                 timeout = self.cfg.drain_timeout_s
                 log.info("draining", in_flight=self.client.in_flight, timeout_s=timeout)
                 try:
-                    await asyncio.wait_for(self.client.idle.wait(), timeout)
+                    await aio.wait_for(self.client.idle.wait(), timeout)
                 except asyncio.TimeoutError:
                     log.warning("drain deadline passed", in_flight=self.client.in_flight)
             if self._recovery is not None:  # let an engine build in progress finish, then drop it

@@ -177,7 +177,29 @@ async def read_stream(client, body, on_tokens=None):
 
 
 def run(coro):
-    return asyncio.run(coro)
+    """``asyncio.run``, except that a task still running after the scenario (and its own
+    teardown) fails the test naming it, instead of hanging the run in asyncio's final cancel:
+    in the daemon such a task would hang its exit."""
+
+    async def scenario_then_leftovers():
+        try:
+            return await coro
+        finally:
+            me = asyncio.current_task()
+            rest = [t for t in asyncio.all_tasks() if t is not me]
+            for t in rest:
+                t.cancel()
+            pending = (await asyncio.wait(rest, timeout=10))[1] if rest else set()
+            if pending:
+                for t in pending:
+                    t.print_stack()
+                raise AssertionError(f"tasks that ignore cancellation: {[t.get_coro() for t in pending]}")
+
+    loop = asyncio.new_event_loop()
+    try:
+        return loop.run_until_complete(scenario_then_leftovers())
+    finally:
+        loop.close()
 
 
 def test_admission_queue_full_and_admission_timeout_get_503_with_retry_after(tmp_path):
