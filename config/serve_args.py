@@ -68,13 +68,13 @@ def supervision_overrides(ns: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def load_supervision(argv: list[str]) -> tuple[Settings, list[str]]:
-    """The supervision settings from argv (+ TOML + env); raises ``ConfigError``. Returns the
-    settings and the argv that is left for vLLM's parser."""
+def load_supervision(argv: list[str]) -> Settings:
+    """The supervision settings from argv (+ TOML + env), vLLM's flags ignored; raises
+    ``ConfigError``."""
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     add_supervision_group(pre)
-    ns, rest = pre.parse_known_args(argv)
-    return load_settings(getattr(ns, "supervisor_config", None), supervision_overrides(ns)), rest
+    ns, _vllm_flags = pre.parse_known_args(argv)
+    return load_settings(getattr(ns, "supervisor_config", None), supervision_overrides(ns))
 
 
 # vLLM flag dest -> the TOML [engine]/[server] key that gives its default

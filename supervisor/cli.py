@@ -25,8 +25,7 @@ from config.serve_args import add_supervision_group, load_supervision, vllm_defa
 USAGE = "vllm-supervisor {serve [MODEL] [vllm serve flags] | check-config [TOML] | ctl ... | run --config TOML}"
 
 # `run` (the first CLI) -> `serve` spelling
-_RUN_FLAGS = {"--config": "--supervisor-config", "-c": "--supervisor-config", "--model": "--model",
-              "--log-level": "--supervisor-log-level"}
+_RUN_FLAGS = {"--config": "--supervisor-config", "-c": "--supervisor-config", "--log-level": "--supervisor-log-level"}
 
 
 def translate_run(argv: list[str]) -> list[str]:
@@ -47,7 +46,7 @@ class ServeArgsError(Exception):
 def parse_serve(argv: list[str]) -> tuple[Settings, argparse.Namespace]:
     """(supervision settings, vLLM's serve Namespace). Raises ``ConfigError`` for a bad
     supervision value (before vLLM is imported) and ``ServeArgsError`` for flags vLLM rejects."""
-    settings, _rest = load_supervision(argv)
+    settings = load_supervision(argv)
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 

@@ -113,9 +113,6 @@ class SupervisedEngineClient(EngineClient):
     def check_admission(self, n: int = 1, request_id: str | None = None) -> None:
         """Before the response starts: a stopping daemon or a full admission queue is a 503."""
         owner = self.owner
-        if owner.state.terminal or owner.state is State.STOPPING:
-            owner.count_outcome("rejected")
-            raise EngineUnavailable(f"daemon is {owner.state.value}: {owner.machine.reason}", retry_after_s=30)
         if owner.serving():
             owner.current.engine.check_admission(n, request_id)
             return
@@ -124,10 +121,18 @@ class SupervisedEngineClient(EngineClient):
         now = time.monotonic()
         while self._reserved and now - self._reserved[0] > _RESERVATION_S:
             self._reserved.popleft()
-        if self.waiting_new + len(self._reserved) >= owner.cfg.admission_queue_size:
+        self._refuse_new(self.waiting_new + len(self._reserved))
+        self._reserved.append(now)
+
+    def _refuse_new(self, waiting: int) -> None:
+        """A new request gets a 503 while the daemon stops or ``waiting`` fills the admission queue."""
+        owner = self.owner
+        if owner.state.terminal or owner.state is State.STOPPING:
+            owner.count_outcome("rejected")
+            raise EngineUnavailable(f"daemon is {owner.state.value}: {owner.machine.reason}")
+        if waiting >= owner.cfg.admission_queue_size:
             owner.count_outcome("rejected")
             raise EngineUnavailable(f"daemon is {owner.state.value} and its admission queue is full ({owner.cfg.admission_queue_size})")
-        self._reserved.append(now)
 
     async def get_supported_tasks(self) -> tuple[str, ...]:
         return self.supported_tasks
@@ -213,16 +218,12 @@ class SupervisedEngineClient(EngineClient):
                         if delta:
                             delivered += ids
                             delivered_text.append(c.text)
-                        if final_only:  # one output at the end, as the front asked
-                            if not out.finished:
-                                if hold_after is not None and attempt == 0:
-                                    await self._maybe_hold(gen, delivered, hold_after)
-                                continue
+                        if final_only and out.finished:  # one output at the end, as the front asked
                             c.text, c.token_ids = "".join(delivered_text), list(delivered)
                             out.prompt_logprobs = first_prompt_logprobs
-                        else:
+                        if out.finished or not final_only:
                             yielded = True
-                        yield out
+                            yield out
                         if out.finished:
                             break  # a stop string found across the seam ends the request here
                         if hold_after is not None and attempt == 0:
@@ -331,15 +332,11 @@ class SupervisedEngineClient(EngineClient):
         owner = self.owner
         if owner.serving(not_gen):
             return owner.current
-        if owner.state.terminal or owner.state is State.STOPPING:
-            if parked:
-                owner.count_outcome("failed")
-                raise RequestFailed(f"daemon is {owner.state.value} ({owner.machine.reason}); retry the request elsewhere")
-            owner.count_outcome("rejected")
-            raise EngineUnavailable(f"daemon is {owner.state.value}: {owner.machine.reason}", retry_after_s=30)
-        if not parked and self.waiting_new >= owner.cfg.admission_queue_size:
-            owner.count_outcome("rejected")
-            raise EngineUnavailable(f"daemon is {owner.state.value} and its admission queue is full ({owner.cfg.admission_queue_size})")
+        if parked and (owner.state.terminal or owner.state is State.STOPPING):
+            owner.count_outcome("failed")
+            raise RequestFailed(f"daemon is {owner.state.value} ({owner.machine.reason}); retry the request elsewhere")
+        if not parked:
+            self._refuse_new(self.waiting_new)
         timeout = owner.cfg.recovery_timeout_s if parked else owner.cfg.admission_timeout_s
         deadline = time.monotonic() + timeout
         if parked:

@@ -17,17 +17,15 @@ class Interrupted(Exception):
 
 
 class EngineUnavailable(GracefulHTTPError):
-    """No engine can take the request now: HTTP 503 (+ ``Retry-After`` from the front)."""
+    """No engine can take the request now: HTTP 503 (``Retry-After`` is added by the front,
+    from the daemon's state)."""
 
-    def __init__(self, reason: str, retry_after_s: int = 5):
+    def __init__(self, reason: str):
         super().__init__(reason, HTTPStatus.SERVICE_UNAVAILABLE)
-        self.retry_after_s = retry_after_s
 
 
 class RequestFailed(GracefulHTTPError):
     """A request that was in flight cannot be finished; the client should retry it (503)."""
-
-    retry_after_s = 5
 
     def __init__(self, message: str):
         super().__init__(message, HTTPStatus.SERVICE_UNAVAILABLE)

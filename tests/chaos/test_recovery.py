@@ -71,6 +71,14 @@ def assert_clean_generation(daemon: Daemon, ray_head: RayHead, before: int) -> N
     assert not {n for n in leaked if not n.startswith("sem.")}, leaked
 
 
+def stop_leaves_nothing(daemon, ray_head) -> None:
+    """SIGTERM: exit 0, no process, ring, placement group or actor of the daemon left."""
+    code, _ = daemon.stop(signal.SIGTERM)
+    assert code == 0, daemon.tail()
+    daemon.assert_nothing_left()
+    assert inject.inspect(ray_head.address) == {"placement_groups": [], "actors": []}
+
+
 def assert_process_gone(pid: int, timeout_s: float = 30) -> None:
     """A stopped (hung) worker was killed, not left frozen."""
     deadline = time.monotonic() + timeout_s
@@ -194,11 +202,7 @@ def test_tp2_hang_while_idle_is_found_by_the_canary(tp2, ray_head):
 
 
 def test_tp2_stop_leaves_nothing(tp2, ray_head):
-    daemon, _ = tp2
-    code, took = daemon.stop(signal.SIGTERM)
-    assert code == 0, daemon.tail()
-    daemon.assert_nothing_left()
-    assert inject.inspect(ray_head.address) == {"placement_groups": [], "actors": []}
+    stop_leaves_nothing(tp2[0], ray_head)
 
 
 # --------------------------------------------------------------------------------------
@@ -244,11 +248,7 @@ def test_tp1_kill_with_arrivals_during_recovery(tp1, ray_head):
 
 def test_tp1_stop_leaves_nothing(tp1, ray_head):
     """Stopped here, not killed at teardown: a SIGKILLed daemon leaves its rings behind."""
-    daemon, _ = tp1
-    code, _ = daemon.stop(signal.SIGTERM)
-    assert code == 0, daemon.tail()
-    daemon.assert_nothing_left()
-    assert inject.inspect(ray_head.address) == {"placement_groups": [], "actors": []}
+    stop_leaves_nothing(tp1[0], ray_head)
 
 
 def test_restart_intensity_exhausted_exits_3_and_leaves_nothing(tmp_path, ray_head):
