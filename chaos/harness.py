@@ -51,6 +51,16 @@ def shm_segments() -> set[str]:
     return {p.name for p in SHM.iterdir() if p.name.startswith(("psm_", "sem.mp-")) or "cpushm" in p.name}
 
 
+def stale_actors(names: list[str], status: dict) -> list[str]:
+    """Actor names that belong neither to the serving generation nor to the warm standby the
+    daemon prepares for the next one (``status["standby"]``)."""
+    own = [f"-g{status['generation']}"]
+    standby = status.get("standby") or {}
+    if standby.get("state") in ("preparing", "ready", "adopting"):
+        own.append(f"-g{standby['for_generation']}")
+    return [n for n in names if not any(n.endswith(t) or f"{t}_" in n for t in own)]
+
+
 def marked_pids(marker: str) -> list[int]:
     """PIDs of live processes whose environment carries ``marker`` (the daemon's descendants)."""
     needle = f"{MARKER_ENV}={marker}".encode()
@@ -149,6 +159,13 @@ class Daemon:
     def status(self) -> dict:
         """``/readyz?verbose`` (200 or 503, always JSON)."""
         return self.get("/readyz?verbose").json()
+
+    def full_status(self) -> dict:
+        """``ctl status --json`` over the control socket: the status plus the serving
+        generation's workers (rank, actor name, pid, node) from Ray."""
+        from supervisor.control import request, socket_path
+
+        return request(socket_path(port=self.port), "status", timeout_s=30)["status"]
 
     def wait_generation(self, generation: int, timeout_s: float = 300) -> dict:
         """Wait until READY on at least ``generation``; returns the status."""

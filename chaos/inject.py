@@ -9,6 +9,9 @@
 ``inspect`` prints JSON: live placement groups and named actors (vLLM names its worker
 actors ``vllm_Worker_<instance id>[_TP<r>][_PP<r>]``; the daemon's instance id is
 ``<daemon id>-g<generation>``). ``kill-worker`` calls ``ray.kill`` on one worker actor.
+Without ``--match``, the worker commands target each daemon's serving engine (its lowest
+live generation): the warm standby's actors already carry the next generation's names.
+``kill-worker --standby`` kills a standby actor instead.
 Ray 2.60 clusters use token auth: ``RAY_AUTH_MODE=token`` is set here by default.
 """
 
@@ -77,12 +80,36 @@ def inspect(address: str, match: str = "") -> dict:
     return {"placement_groups": pgs, "actors": actors}
 
 
-def kill_worker(address: str, rank: int | None = None, match: str = "", seed: int | None = None) -> dict:
-    """``ray.kill`` one live worker actor; returns its name and the kill time (monotonic)."""
+def _generation_of(name: str) -> tuple[str, int]:
+    """(daemon id, generation) from a worker actor name ``vllm_Worker_<daemon>-g<N>[_TP<r>]``."""
+    instance = re.sub(r"(_TP\d+|_PP\d+|_PCP\d+)+$", "", name.removeprefix(WORKER_PREFIX))
+    m = re.fullmatch(r"(.*)-g(\d+)", instance)
+    return (m.group(1), int(m.group(2))) if m else (instance, 0)
+
+
+def select(actors: list[dict], match: str = "", standby: bool = False) -> list[dict]:
+    """Worker actors by target. With ``match``: every actor whose name contains it. Else
+    each daemon's serving engine (its lowest live generation), or with ``standby`` its warm
+    standby (the next generation's actors, created before they serve)."""
+    actors = [a for a in actors if a["name"].startswith(WORKER_PREFIX) and match in a["name"]]
+    if match:
+        return actors
+    generations: dict[str, set[int]] = {}
+    for a in actors:
+        daemon, gen = _generation_of(a["name"])
+        generations.setdefault(daemon, set()).add(gen)
+    chosen = {d: (max(g) if standby else min(g)) for d, g in generations.items() if not standby or len(g) > 1}
+    return [a for a in actors if chosen.get(_generation_of(a["name"])[0]) == _generation_of(a["name"])[1]]
+
+
+def kill_worker(address: str, rank: int | None = None, match: str = "", seed: int | None = None,
+                standby: bool = False) -> dict:
+    """``ray.kill`` one live worker actor (of the serving engine unless ``match`` or
+    ``standby`` says otherwise); returns its name and the kill time (monotonic)."""
     _connect(address)
     import ray
 
-    workers = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(WORKER_PREFIX) and match in a["name"]]
+    workers = select(ray.util.list_named_actors(all_namespaces=True), match, standby)
     if rank is not None:
         workers = [a for a in workers if worker_rank(a["name"]) == rank]
     if not workers:
@@ -94,23 +121,25 @@ def kill_worker(address: str, rank: int | None = None, match: str = "", seed: in
     return {"killed": victim["name"], "rank": worker_rank(victim["name"]), "monotonic": killed_at}
 
 
-def workers(address: str, match: str = "") -> list[dict]:
-    """Live vLLM worker actors: name, rank, pid, node id (from Ray's GCS actor table)."""
+def workers(address: str, match: str = "", standby: bool = False) -> list[dict]:
+    """Live vLLM worker actors (as ``select`` picks them): name, rank, pid, node id, actor id
+    (from Ray's GCS actor table)."""
     _connect(address)
     from ray._private import state
 
     out = []
-    for info in state.actors().values():
+    for actor_id, info in state.actors().items():
         name = info.get("Name", "")
-        if name.startswith(WORKER_PREFIX) and match in name and info.get("State") == "ALIVE":
+        if info.get("State") == "ALIVE" and name:
             out.append({"name": name, "rank": worker_rank(name), "pid": info.get("Pid"),
-                        "node_id": info.get("Address", {}).get("NodeID")})
-    return sorted(out, key=lambda w: w["rank"])
+                        "node_id": info.get("Address", {}).get("NodeID"), "actor_id": actor_id})
+    return sorted(select(out, match, standby), key=lambda w: w["rank"])
 
 
-def signal_worker(address: str, sig: int, rank: int | None = None, match: str = "", seed: int | None = None) -> dict:
+def signal_worker(address: str, sig: int, rank: int | None = None, match: str = "", seed: int | None = None,
+                  standby: bool = False) -> dict:
     """Send ``sig`` to a worker actor's process (SIGKILL: crash, SIGSTOP: hang). Same host only."""
-    found = [w for w in workers(address, match) if rank is None or w["rank"] == rank]
+    found = [w for w in workers(address, match, standby) if rank is None or w["rank"] == rank]
     if not found:
         raise SystemExit(f"no live worker actor matches rank={rank} match={match!r}")
     victim = random.Random(seed).choice(found)
@@ -126,12 +155,11 @@ def kill_all_workers(address: str, match: str = "") -> dict:
     import ray
 
     handles = []
-    for a in ray.util.list_named_actors(all_namespaces=True):
-        if a["name"].startswith(WORKER_PREFIX) and match in a["name"]:
-            try:
-                handles.append((a["name"], ray.get_actor(a["name"], namespace=a["namespace"])))
-            except ValueError:  # already gone
-                pass
+    for a in select(ray.util.list_named_actors(all_namespaces=True), match):
+        try:
+            handles.append((a["name"], ray.get_actor(a["name"], namespace=a["namespace"])))
+        except ValueError:  # already gone
+            pass
     at = time.monotonic()
     for _, handle in handles:
         ray.kill(handle, no_restart=True)
@@ -139,8 +167,9 @@ def kill_all_workers(address: str, match: str = "") -> dict:
 
 
 def engine_core_pids(daemon_pid: int) -> list[int]:
-    """PIDs of vLLM engine-core processes that are children of the daemon."""
-    return child_pids({daemon_pid}, b"VLLM::EngineCore")
+    """PIDs of vLLM engine-core processes of the daemon: its children, or the children of its
+    engine-core fork server (the warm standby's)."""
+    return child_pids({daemon_pid} | set(child_pids({daemon_pid})), b"VLLM::EngineCore")
 
 
 def signal_local_worker(daemon_pid: int, sig: int, index: int = 0) -> dict:
@@ -174,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     p_kill.add_argument("--rank", type=int)
     p_kill.add_argument("--match", default="")
     p_kill.add_argument("--seed", type=int)
+    p_kill.add_argument("--standby", action="store_true", help="kill a warm-standby actor instead of a serving one")
     p_sig = sub.add_parser("signal-worker")
     p_sig.add_argument("--signal", required=True, choices=["KILL", "STOP", "CONT", "TERM"])
     p_sig.add_argument("--rank", type=int)
@@ -191,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "inspect":
         out = inspect(args.address, args.match)
     elif args.cmd == "kill-worker":
-        out = kill_worker(args.address, args.rank, args.match, args.seed)
+        out = kill_worker(args.address, args.rank, args.match, args.seed, args.standby)
     elif args.cmd == "signal-worker":
         out = signal_worker(args.address, getattr(signal, f"SIG{args.signal}"), args.rank, args.match)
     elif args.cmd == "kill-all-workers":

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from chaos import inject
-from chaos.harness import Daemon, RayHead, marked_pids, shm_segments
+from chaos.harness import Daemon, RayHead, marked_pids, shm_segments, stale_actors
 from chaos.load import PROMPTS, as_reference, compare, first_token_after, run_with_fault
 from executor.shm import mapped_segments
 
@@ -91,12 +91,12 @@ class Soak:
 
     def leftovers(self, generation: int) -> dict[str, Any]:
         seen = inject.inspect(self.head.address)
-        stale_actors = [a["name"] for a in seen["actors"] if f"-g{generation}" not in a["name"]]
+        stale = stale_actors([a["name"] for a in seen["actors"]], self.status())
         unmapped = sorted(n for n in (shm_segments() - self.daemon.shm_before) - mapped_segments() if not n.startswith("sem."))
         return {
             "placement_groups": len(seen["placement_groups"]),
             "actors": len(seen["actors"]),
-            "stale_actors": stale_actors,
+            "stale_actors": stale,
             "processes": len(marked_pids(self.daemon.marker)),
             "shm_segments": len(shm_segments() - self.daemon.shm_before),
             "shm_unmapped": unmapped,

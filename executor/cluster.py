@@ -129,16 +129,25 @@ class RayCluster:
         return []
 
     @classmethod
-    def kill_actors_named(cls, substring: str) -> list[str]:
-        """Kill every live named actor whose name contains ``substring``; returns names."""
+    def kill_instance_actors(cls, instance_id: str) -> list[str]:
+        """Kill every live named actor of engine ``instance_id`` (workers, standbys adopted
+        for it, bundle claims); returns names."""
         killed = []
-        for namespace, name in cls.actors_named(substring):
+        for namespace, name in cls.actors_named(f"_{instance_id}"):
+            if not names_instance(name, instance_id):
+                continue
             try:
                 ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
                 killed.append(name)
             except ValueError:  # died meanwhile
                 pass
         return killed
+
+
+def names_instance(name: str, instance_id: str) -> bool:
+    """Whether actor ``name`` belongs to engine ``instance_id`` (``..._<id>`` or ``..._<id>_TP1``):
+    ``-g1`` must not match ``-g12``."""
+    return name.endswith(f"_{instance_id}") or f"_{instance_id}_" in name
 
 
 def worker_actor_name(instance_id: str, rank: int, tp: int, pp: int) -> str:
@@ -153,10 +162,10 @@ def worker_actors(instance_id: str) -> list[dict]:
     from ray._private import state
 
     out = []
-    for info in state.actors().values():
+    for actor_id, info in state.actors().items():
         name = info.get("Name", "")
-        if name.startswith(f"vllm_Worker_{instance_id}") and info.get("State") == "ALIVE":
+        if name.startswith("vllm_Worker_") and names_instance(name, instance_id) and info.get("State") == "ALIVE":
             tp = name.rsplit("_TP", 1)[1].split("_")[0] if "_TP" in name else "0"
             out.append({"rank": int(tp) if tp.isdigit() else 0, "name": name, "pid": info.get("Pid"),
-                        "node_id": info.get("Address", {}).get("NodeID")})
+                        "node_id": info.get("Address", {}).get("NodeID"), "actor_id": actor_id})
     return sorted(out, key=lambda w: w["rank"])

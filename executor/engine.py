@@ -10,6 +10,7 @@ import signal
 from dataclasses import dataclass
 from typing import Any
 
+from executor import forkserver
 from executor.events import ADDITIONAL_CONFIG_KEY
 
 
@@ -23,6 +24,8 @@ class EngineSpec:
     event_endpoint: str
     placement_group: Any
     kv_cache_space_gib: int = 1  # CPU only (VLLM_CPU_KVCACHE_SPACE)
+    standby_namespace: str | None = None  # adopt standby workers from this Ray namespace
+    use_forkserver: bool = False  # fork the engine core from the preloaded fork server
 
 
 def is_cpu_platform() -> bool:
@@ -54,14 +57,18 @@ def build_engine(spec: EngineSpec):
     vllm_config.additional_config[ADDITIONAL_CONFIG_KEY] = {
         "generation": spec.generation,
         "event_endpoint": spec.event_endpoint,
+        "standby_namespace": spec.standby_namespace,
     }
-    return AsyncLLM.from_vllm_config(
-        vllm_config,
-        usage_context=UsageContext.OPENAI_API_SERVER,
-        enable_log_requests=engine_args.enable_log_requests,
-        aggregate_engine_logging=engine_args.aggregate_engine_logging,
-        disable_log_stats=engine_args.disable_log_stats,
-    )
+    # numactl binding replaces the spawn executable: only vLLM's own start method does that.
+    use_forkserver = spec.use_forkserver and not vllm_config.parallel_config.numa_bind
+    with forkserver.engine_core_start_method(use_forkserver):
+        return AsyncLLM.from_vllm_config(
+            vllm_config,
+            usage_context=UsageContext.OPENAI_API_SERVER,
+            enable_log_requests=engine_args.enable_log_requests,
+            aggregate_engine_logging=engine_args.aggregate_engine_logging,
+            disable_log_stats=engine_args.disable_log_stats,
+        )
 
 
 def frontend_for(vllm_config: Any) -> tuple[Any, Any]:
@@ -72,6 +79,15 @@ def frontend_for(vllm_config: Any) -> tuple[Any, Any]:
 
     renderer = renderer_from_config(vllm_config)
     return renderer, InputProcessor(vllm_config, renderer)
+
+
+def descendants(pid: int, depth: int = 2) -> set[int]:
+    """``pid``'s children, their children, ... ``depth`` levels down (from /proc)."""
+    found, level = set(), {pid}
+    for _ in range(depth):
+        level = set(child_pids(level))
+        found |= level
+    return found
 
 
 def engine_core_pids(engine) -> list[int]:

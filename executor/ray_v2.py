@@ -13,6 +13,8 @@ contained here:
   own callback runs (vLLM has one callback slot: we chain, never replace).
 * Shared memory: the response queues' ``/dev/shm`` rings are created by the workers,
   which are stopped with ``ray.kill`` and never unlink them; ``shutdown()`` does.
+* Standby adoption: where vLLM creates a worker actor, a standby of the same name
+  prepared by the supervisor (``executor.standby``) is adopted instead when there is one.
 """
 
 from __future__ import annotations
@@ -47,17 +49,67 @@ class SupervisedRayExecutor(DeathReporter, _v2.RayExecutorV2):
         self._wire()
         # vLLM names the actors after instance_id while they are created; keep that value.
         self._instance_id = self.vllm_config.instance_id
+        self._standby_namespace = self._supervisor_config().get("standby_namespace")
+        self.adopted: dict[int, int] = {}  # rank -> pid of the standby it adopted
+        self._claims: list[Any] = []
         if current_platform.is_cpu():
             current_platform.ray_device_key = "CPU"
         # _init_executor instantiates the module-global class: swap ours in there.
         _v2.RayWorkerProc = SupervisedRayWorkerProc
-        super()._init_executor()
+        real_ray = _v2.ray
+        if self._standby_namespace:
+            from executor.standby import AdoptingRay
+
+            _v2.ray = AdoptingRay(real_ray, self._adopt_standby)
+        try:
+            super()._init_executor()
+        finally:
+            _v2.ray = real_ray
         logger.info(
-            "generation %d: %d Ray worker actor(s) up: %s",
+            "generation %d: %d Ray worker actor(s) up: %s; adopted standby ranks: %s",
             self._generation,
             len(self.ray_worker_handles),
             self.actor_names(),
+            sorted(self.adopted) or "none",
         )
+
+    def _supervisor_config(self) -> dict:
+        from executor.events import ADDITIONAL_CONFIG_KEY
+
+        return dict(self.vllm_config.additional_config.get(ADDITIONAL_CONFIG_KEY) or {})
+
+    # --- standby adoption -------------------------------------------------------------
+
+    def _adopt_standby(self, options: dict, init_kwargs: dict) -> Any:
+        """The standby named ``options["name"]``, adopted with ``init_kwargs``; None when
+        there is none or it cannot be adopted (vLLM then creates the actor)."""
+        from executor.standby import CLAIM_PREFIX, claim_bundle, kill
+
+        name = options["name"]
+        try:
+            handle = ray.get_actor(name, namespace=self._standby_namespace)
+        except ValueError:
+            logger.warning("no standby %s: creating the worker", name)
+            return None
+        strategy = options["scheduling_strategy"]
+        placement = (strategy.placement_group.id.hex(), strategy.placement_group_bundle_index)
+        claim, claimed_ids = None, None
+        try:
+            if not current_platform.is_cpu():  # hold the bundle's device for the adopted worker
+                resources = {k: v for k, v in _v2.RayExecutorV2._get_actor_resource_kwargs().items()
+                             if k in ("num_gpus", "resources")}
+                claim, ids = claim_bundle(strategy, name.replace("vllm_Worker_", CLAIM_PREFIX, 1), resources)
+                claimed_ids = [int(x) for x in ids]
+            pid = ray.get(handle.adopt.remote(placement, claimed_ids, **init_kwargs))
+        except Exception as exc:
+            logger.warning("standby %s not adopted (%s): creating the worker", name, exc)
+            kill([h for h in (handle, claim) if h is not None])
+            return None
+        if claim is not None:
+            self._claims.append(claim)
+        self.adopted[init_kwargs["rank"]] = pid
+        logger.info("adopted standby %s (pid %d) for rank %d", name, pid, init_kwargs["rank"])
+        return handle
 
     # --- CPU support -----------------------------------------------------------------
 
@@ -96,6 +148,11 @@ class SupervisedRayExecutor(DeathReporter, _v2.RayExecutorV2):
         rings = self._response_ring_names()
         super().shutdown()
         _unlink_shm(rings)
+        if getattr(self, "_claims", None):
+            from executor.standby import kill
+
+            kill(self._claims)
+            self._claims = []
 
     def _collect_dead_ranks(self) -> list[Dead]:
         handles = [h for h in getattr(self, "ray_worker_handles", []) if h.run_ref is not None]

@@ -52,6 +52,9 @@ def supervisor_registry() -> CollectorRegistry:
     return CollectorRegistry()
 
 
+STANDBY_STATES = ("off", "preparing", "ready", "adopting", "unavailable")  # supervisor.standby.StandbyState
+
+
 class SupervisorMetrics:
     def __init__(self, world_size: int, registry: CollectorRegistry | None = None):
         p = PREFIX
@@ -74,8 +77,14 @@ class SupervisorMetrics:
         self.e2e = Histogram(p + "request_duration_seconds", "Request arrival to last token", buckets=E2E_BUCKETS, registry=r)
         self.probe_latency = Histogram(p + "probe_duration_seconds", "Duration of the canary generation", buckets=PROBE_BUCKETS, registry=r)
         self.probe_last_success = Gauge(p + "probe_last_success_timestamp_seconds", "Unix time of the last successful probe", registry=r)
+        self.standby_state = Gauge(p + "standby_state", "1 for the warm standby's current state, else 0", ["state"], registry=r)
+        self.standby_replacements = Counter(p + "standby_replacements", "Standby parts that died and were replaced", registry=r)
+        self.standby_adoptions = Counter(p + "standby_adoptions", "Engine builds by whether their workers were adopted from the standby",
+                                         ["result"], registry=r)
         for s in STATES:
             self.state.labels(s).set(1 if s == "starting" else 0)
+        for result in ("adopted", "cold"):
+            self.standby_adoptions.labels(result)
         for rank in range(world_size):
             self.worker_up.labels(str(rank)).set(0)
         for c in DEATH_CAUSES:
@@ -97,6 +106,10 @@ class SupervisorMetrics:
         for s in STATES:
             self.state.labels(s).set(1 if s == state else 0)
         self.generation.set(generation)
+
+    def set_standby(self, state: str) -> None:
+        for s in STANDBY_STATES:
+            self.standby_state.labels(s).set(1 if s == state else 0)
 
     def workers(self, up: bool, ranks: Iterable[int] | None = None) -> None:
         for rank in range(self.world_size) if ranks is None else ranks:

@@ -82,24 +82,79 @@ class EngineBuilder:
         self.placement_group = self.cluster.create_placement_group(f"{self.daemon_id}-pg", self.world_size, device)
         log.info("placement group ready", bundles=self.world_size, device=device, took_s=round(time.monotonic() - started, 3))
 
-    def build(self, number: int) -> Generation:
+    def build(self, number: int, standby: dict[str, Any] | None = None) -> Generation:
+        """Build generation ``number``; ``standby`` (``Standby.claim``'s answer) says what it
+        may adopt: the fork server for its engine core, standby workers from a namespace."""
         from executor.engine import EngineSpec, build_engine
         from executor.shm import vllm_segments
 
         instance_id = self.instance_id(number)
         shm_before = vllm_segments()
         started = time.monotonic()
-        log.info("building engine", engine_generation=number, instance_id=instance_id)
+        standby = standby or {}
+        log.info("building engine", engine_generation=number, instance_id=instance_id,
+                 standby_workers=bool(standby.get("namespace")), forkserver=bool(standby.get("forkserver")))
         self._shm_before_build = shm_before
         engine = build_engine(EngineSpec(
             # a copy: vLLM's config builders mutate what they are given (a reload compares args)
             args=copy.deepcopy(self.engine_args), generation=number, instance_id=instance_id,
             event_endpoint=self.event_endpoint,
             placement_group=self.placement_group, kv_cache_space_gib=self.settings.engine.kv_cache_space_gib,
+            standby_namespace=standby.get("namespace"), use_forkserver=bool(standby.get("forkserver")),
         ))
         build_s = time.monotonic() - started
         log.info("engine up", engine_generation=number, build_s=round(build_s, 2))
         return Generation(number, instance_id, engine, shm_before, build_s)
+
+    # --- the warm standby (supervisor.standby) ----------------------------------------------
+
+    @property
+    def standby_namespace(self) -> str:
+        return self.settings.ray.namespace
+
+    @staticmethod
+    def start_forkserver() -> float:
+        from executor import forkserver
+
+        return forkserver.start()
+
+    @staticmethod
+    def forkserver_alive() -> bool:
+        return EngineBuilder.forkserver_pid() is not None
+
+    @staticmethod
+    def forkserver_pid() -> int | None:
+        from executor import forkserver
+
+        return forkserver.pid()
+
+    @staticmethod
+    def stop_forkserver() -> None:
+        from executor import forkserver
+
+        forkserver.stop()
+
+    def create_standby(self, number: int, vllm_config: Any) -> list[dict[str, Any]]:
+        from executor.standby import create_standby_workers
+
+        self.ensure_placement_group()
+        return create_standby_workers(vllm_config, self.placement_group, self.instance_id(number), self.standby_namespace)
+
+    @staticmethod
+    def standby_states(workers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        from executor.standby import actor_state
+
+        return [actor_state(w["actor_id"]) for w in workers]
+
+    @staticmethod
+    def kill_standby(workers: list[dict[str, Any]], wait_s: float = 5.0) -> None:
+        """Kill standby workers and wait (bounded) until Ray has released their names."""
+        from executor.standby import actor_state, kill
+
+        kill([w["handle"] for w in workers if w.get("handle") is not None])
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and any(actor_state(w["actor_id"])["state"] != "DEAD" for w in workers):
+            time.sleep(0.1)
 
     def front(self, engine: Any) -> tuple[Any, Any]:
         """The request path's own renderer and input processor (they outlive ``engine``)."""
@@ -155,7 +210,7 @@ class EngineBuilder:
         if self.cluster is None:
             return []
         try:
-            return self.cluster.kill_actors_named(f"_{instance_id}")
+            return self.cluster.kill_instance_actors(instance_id)
         except Exception as exc:
             log.warning("could not list/kill actors", error=str(exc))
             return []

@@ -113,6 +113,13 @@ def _table(status: dict[str, Any]) -> str:
     ]
     if status.get("config_error"):
         lines.append(f"config error {status['config_error']}")
+    sb = status.get("standby")
+    if sb:
+        pids = ", ".join(str(w.get("pid") or "-") for w in sb["workers"]) or "-"
+        lines.append(f"standby      {sb['mode']}: {sb['state']} for generation {sb['for_generation']} "
+                     f"(engine-core fork server pid {sb['forkserver_pid'] or '-'}, worker pids {pids}; "
+                     f"replaced {sb['replacements']}, builds adopted/cold {sb['adoptions']['adopted']}/{sb['adoptions']['cold']})"
+                     if sb["mode"] != "none" else "standby      none")
     workers = status.get("workers") or []
     if workers:
         lines.append("")

@@ -41,6 +41,7 @@ from supervisor.events import (
 )
 from supervisor.generation import EngineUnavailable, Generation, RequestFailed  # noqa: F401 (re-exported)
 from supervisor.policy import RestartIntensity
+from supervisor.standby import Standby
 from supervisor.operations import Operations
 from supervisor.recovery import EXIT_FAILED, EXIT_OK, Lifecycle
 from supervisor.states import State, StateMachine
@@ -72,6 +73,7 @@ class Supervisor(Lifecycle, Operations):
         self.client = SupervisedEngineClient(self)
         self.front: Any = None  # supervisor.http.Front, when one serves this daemon
         self.probe = EngineProbe(self)
+        self.standby = Standby(self.builder, self.metrics, enabled=self.cfg.standby == "warm")
         self.current: Generation | None = None
         self.started_monotonic = time.monotonic()
         self.exit_code = EXIT_OK
@@ -258,6 +260,7 @@ class Supervisor(Lifecycle, Operations):
             "config_error": self.config_error,
             **({"test_held": c.held} if c._test_hooks else {}),
             "probe": self.probe.status(),
+            "standby": self.standby.status(),
         }
 
     async def full_status(self) -> dict[str, Any]:

@@ -156,8 +156,11 @@ class Lifecycle:
                 t = time.monotonic()
                 await asyncio.to_thread(self.builder.ensure_placement_group)
                 phases["placement_group"] = time.monotonic() - t
+                if self._reattach:  # made for the engine arguments a reload just replaced
+                    await self.standby.discard("engine arguments changed")
+                claim = await self.standby.claim(number)
                 t = time.monotonic()
-                gen = await asyncio.to_thread(self.builder.build, number)
+                gen = await asyncio.to_thread(self.builder.build, number, claim)
                 phases["engine_start"] = time.monotonic() - t
                 if self.client.model_config is None or self._reattach:  # first engine, or a reload changed it
                     front = await asyncio.to_thread(self.builder.front, gen.engine)
@@ -165,6 +168,7 @@ class Lifecycle:
                     self._reattach = False
             except Exception as exc:
                 self._building = None
+                self.standby.build_failed()
                 self._count_restart("build_failed")
                 log.error("engine build failed", failed_generation=number, error=f"{type(exc).__name__}: {exc}"[:500])
                 if type(exc).__name__ == "PlacementGroupTimeout" and self.state is State.RECOVERING:
@@ -179,10 +183,24 @@ class Lifecycle:
                     return True, "stopping"
                 self._count_restart("build_failed")
                 continue
+            if self.standby.enabled:
+                adoption = self.standby.adopted(number, await self._workers_of(gen), count=not (first and attempt == 1))
+                gen.actor_handles = adoption.pop("handles")
+                gen.standby = adoption
+                if self._active_record is not None:
+                    self._active_record["standby"] = adoption
             self.current = gen
             verb = "up" if first and attempt == 1 else "recovered"
             self.machine.transition(State.READY, f"engine generation {number} {verb} in {gen.build_s:.1f} s")
+            self.standby.prepare(self.next_generation, gen.engine.vllm_config)
             return True, ""
+
+    async def _workers_of(self, gen: Generation) -> list[dict[str, Any]]:
+        try:
+            return await aio.wait_for(asyncio.to_thread(self.builder.workers, gen.instance_id), 10)
+        except Exception as exc:
+            log.warning("could not list the new generation's workers", error=str(exc))
+            return []
 
     async def _discard(self, gen: Generation) -> None:
         await asyncio.to_thread(self.builder.teardown, gen)
@@ -229,6 +247,7 @@ class Lifecycle:
                 gen.interrupt_streams()
                 await asyncio.to_thread(self.builder.teardown, gen)
                 await gen.reap_lingering()
+            await self.standby.stop()
             await asyncio.to_thread(self.builder.release_cluster)
         except Exception:
             log.exception("error while stopping")

@@ -17,7 +17,7 @@ import pytest
 from chaos import inject
 from chaos.load import PROMPTS, as_reference, compare, run_with_fault
 from executor.shm import mapped_segments
-from chaos.harness import Daemon, RayHead, shm_segments
+from chaos.harness import Daemon, RayHead, shm_segments, stale_actors
 
 pytestmark = pytest.mark.integration
 
@@ -65,7 +65,7 @@ def assert_clean_generation(daemon: Daemon, ray_head: RayHead, before: int) -> N
     assert s["generation"] > before
     seen = inject.inspect(ray_head.address)
     names = [a["name"] for a in seen["actors"]]
-    assert names and all(f"-g{s['generation']}" in n for n in names), names
+    assert names and not stale_actors(names, daemon.status()), names
     assert len(seen["placement_groups"]) == 1 and seen["placement_groups"][0]["state"] == "CREATED", seen
     leaked = (shm_segments() - daemon.shm_before) - mapped_segments()
     assert not {n for n in leaked if not n.startswith("sem.")}, leaked

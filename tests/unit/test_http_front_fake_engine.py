@@ -106,7 +106,7 @@ class HttpBuilder(FakeBuilder):
         self.vllm_config = vllm_config
         self.renderer, self.input_processor = frontend_for(vllm_config)
 
-    def build(self, number):
+    def build(self, number, standby=None):
         if number > 1:
             time.sleep(self.build_s)
         engine = FakeEngine(self.vllm_config, self.renderer.get_tokenizer())
@@ -129,6 +129,7 @@ async def started(tmp_path, build_s=0.0, **supervisor):
     builder = HttpBuilder(vllm_config)
     builder.build_s = build_s
     builder.engine_args = args
+    supervisor.setdefault("standby", "none")  # the standby's logic: test_standby_fake.py
     sup = FakeSupervisor(settings(tmp_path, **supervisor), builder=builder)
     owner = asyncio.create_task(sup.run())
     await wait_for(lambda: sup.state is State.READY)

@@ -145,6 +145,11 @@ class FakeBuilder:
         self.torn_down: list[int] = []
         self.cluster = None
         self.engine_args = fake_args()
+        self.claims: list = []
+        self.forkserver_up = False
+        self.standby_made: list[dict] = []
+        self.actor_states: dict[str, str] = {}
+        self.serving: dict[int, str] = {}  # generation -> actor id of its worker
 
     def prepare_model(self):
         pass
@@ -155,14 +160,49 @@ class FakeBuilder:
     def ensure_placement_group(self):
         pass
 
-    def build(self, number):
+    def build(self, number, standby=None):
         time.sleep(0.05)
+        self.claims.append((number, standby))
         if self.build_failures > 0:
             self.build_failures -= 1
             raise RuntimeError("engine core initialization failed (fake)")
         engine = FakeEngine()
         self.engines.append(engine)
+        # what the executor does: adopt the live standby named for this generation, else cold
+        live = [w for w in self.standby_made if w["name"] == f"w-g{number}" and self.actor_states[w["actor_id"]] == "ALIVE"]
+        self.serving[number] = live[0]["actor_id"] if standby and standby["namespace"] and live else f"cold-{number}"
         return Generation(number, f"fake-g{number}", engine, set(), 0.05)
+
+    # the warm standby, simulated: a fork server flag and one "actor" per standby
+    standby_namespace = "fake-ns"
+
+    def start_forkserver(self):
+        self.forkserver_up = True
+        return 0.01
+
+    def forkserver_alive(self):
+        return self.forkserver_up
+
+    def forkserver_pid(self):
+        return 4242 if self.forkserver_up else None
+
+    def stop_forkserver(self):
+        self.forkserver_up = False
+
+    def create_standby(self, number, vllm_config):
+        actor_id = f"a{len(self.standby_made)}"
+        self.actor_states[actor_id] = "ALIVE"
+        worker = {"rank": 0, "name": f"w-g{number}", "actor_id": actor_id, "bundle": 0, "handle": None}
+        self.standby_made.append(worker)
+        return [dict(worker)]
+
+    def standby_states(self, workers):
+        return [{"state": self.actor_states.get(w["actor_id"], "DEAD"), "pid": 100 + int(w["actor_id"][1:]), "death": ""}
+                for w in workers]
+
+    def kill_standby(self, workers):
+        for w in workers:
+            self.actor_states[w["actor_id"]] = "DEAD"
 
     def front(self, engine):
         return SimpleNamespace(get_tokenizer=lambda: object()), None
@@ -187,7 +227,9 @@ class FakeBuilder:
         pass
 
     def workers(self, instance_id):
-        return []
+        number = int(instance_id.rsplit("-g", 1)[1])
+        actor_id = self.serving.get(number)
+        return [{"rank": 0, "name": f"w-g{number}", "actor_id": actor_id}] if actor_id else []
 
     def reachable(self):
         return self.cluster.reachable()

@@ -1,0 +1,236 @@
+"""The warm standby: what the next engine generation can adopt, prepared while this one serves.
+
+Two parts, both started after a generation is READY and both owned by this daemon:
+
+* the engine core's fork server (``executor.forkserver``): vLLM imported once; each next
+  engine core forks from it instead of spawning an interpreter that imports vLLM again;
+* one standby worker actor per rank (``executor.standby``, Ray executor only): a Ray worker
+  process with vLLM and the model's module imported, named and placed as the next
+  generation's worker of that rank, holding no resources until the executor adopts it.
+
+The standby has its own small state machine (``TRANSITIONS``). A standby part that dies is
+replaced and counted; it is never a serving failure. A build that cannot adopt it (dead, or
+placed for a placement group that no longer exists) creates its workers cold instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from typing import Any
+
+from supervisor import logs
+
+log = logs.get_logger("vllm_supervisor.standby")
+
+POLL_S = 1.0  # how often the standby's liveness is read from Ray's actor table
+RETRY_S = (1.0, 30.0)  # backoff after a failed preparation: first, max
+
+
+class StandbyState(str, enum.Enum):
+    OFF = "off"  # disabled, consumed by a build, or the daemon is stopping
+    PREPARING = "preparing"  # fork server and/or actors starting (also: replacing a dead part)
+    READY = "ready"  # every part is up and idle
+    ADOPTING = "adopting"  # a build of its generation is taking it over
+    UNAVAILABLE = "unavailable"  # preparing failed; retried with backoff
+
+
+TRANSITIONS: dict[StandbyState, frozenset[StandbyState]] = {
+    StandbyState.OFF: frozenset({StandbyState.PREPARING}),
+    StandbyState.PREPARING: frozenset({StandbyState.READY, StandbyState.ADOPTING, StandbyState.UNAVAILABLE,
+                                       StandbyState.OFF}),
+    StandbyState.READY: frozenset({StandbyState.PREPARING, StandbyState.ADOPTING, StandbyState.OFF}),
+    StandbyState.ADOPTING: frozenset({StandbyState.OFF}),
+    StandbyState.UNAVAILABLE: frozenset({StandbyState.PREPARING, StandbyState.OFF}),
+}
+
+
+class Standby:
+    """Prepared by the owner after each READY (``prepare``), claimed by the next build
+    (``claim``), reported on by that build (``adopted``)."""
+
+    def __init__(self, builder: Any, metrics: Any, enabled: bool):
+        self.builder = builder
+        self.metrics = metrics
+        self.enabled = enabled
+        self.state = StandbyState.OFF
+        self.generation = 0  # the generation number this standby is for
+        self.workers: list[dict[str, Any]] = []  # rank, name, actor_id, bundle, handle, pid
+        self.forkserver_pid: int | None = None
+        self.replacements = 0
+        self.adoptions: dict[str, int] = {"adopted": 0, "cold": 0}
+        self.ready_after_s: float | None = None  # prepare() → READY, last time
+        self.last_error = ""
+        self._task: asyncio.Task | None = None
+        self._creating = asyncio.Lock()
+        metrics.set_standby(self.state.value)
+
+    # --- state ------------------------------------------------------------------------
+
+    def _to(self, new: StandbyState, reason: str) -> None:
+        if new is self.state:
+            return
+        if new not in TRANSITIONS[self.state]:
+            raise RuntimeError(f"standby {self.state.value} -> {new.value} is not allowed ({reason})")
+        log.info("standby state", from_state=self.state.value, to_state=new.value, for_generation=self.generation,
+                 reason=reason)
+        self.state = new
+        self.metrics.set_standby(new.value)
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "mode": "warm" if self.enabled else "none",
+            "state": self.state.value,
+            "for_generation": self.generation,
+            "forkserver_pid": self.forkserver_pid,
+            "workers": [{k: w.get(k) for k in ("rank", "name", "pid", "state")} for w in self.workers],
+            "ready_after_s": None if self.ready_after_s is None else round(self.ready_after_s, 2),
+            "replacements": self.replacements,
+            "adoptions": dict(self.adoptions),
+            **({"last_error": self.last_error} if self.last_error else {}),
+        }
+
+    # --- the owner's calls ----------------------------------------------------------------
+
+    def prepare(self, generation: int, vllm_config: Any) -> None:
+        """Start preparing the standby for ``generation`` (the next build's number)."""
+        if not self.enabled or self.state is not StandbyState.OFF:
+            return
+        self.generation = generation
+        self._to(StandbyState.PREPARING, f"generation {generation - 1} is serving")
+        self._task = asyncio.create_task(self._run(generation, vllm_config))
+
+    async def claim(self, generation: int) -> dict[str, Any] | None:
+        """The standby for the build of ``generation``: ``{"namespace", "forkserver"}``
+        (``namespace`` None when there are no standby workers for it), or None when there is
+        nothing to adopt. The standby is consumed either way."""
+        if not self.enabled:
+            return None
+        async with self._creating:  # an actor creation in flight finishes first
+            await self._cancel()
+        forkserver = await asyncio.to_thread(self.builder.forkserver_alive)
+        workers = self.workers if self.generation == generation else []
+        if self.workers and not workers:  # made for another generation: useless now
+            await self._discard_workers()
+        if self.state in (StandbyState.OFF, StandbyState.UNAVAILABLE):
+            if self.state is StandbyState.UNAVAILABLE:
+                self._to(StandbyState.OFF, f"building generation {generation} without it")
+            return {"namespace": None, "forkserver": forkserver}
+        self._to(StandbyState.ADOPTING, f"building generation {generation}")
+        return {"namespace": self.builder.standby_namespace if workers else None, "forkserver": forkserver}
+
+    def adopted(self, generation: int, serving_workers: list[dict[str, Any]], count: bool = True) -> dict[str, Any]:
+        """After a successful build: which ranks run in a standby's process. ``count``: false
+        for the daemon's first engine, which has no standby to adopt."""
+        ids = {w["actor_id"]: w for w in self.workers if self.generation == generation}
+        adopted = sorted(w["rank"] for w in serving_workers if w.get("actor_id") in ids)
+        result = "adopted" if adopted and len(adopted) == len(serving_workers) else "cold"
+        if self.enabled and count:
+            self.adoptions[result] += 1
+            self.metrics.standby_adoptions.labels(result).inc()
+        # The adopted actors belong to the generation now; this daemon created them and Ray
+        # ends an actor when its creator drops the last handle: the generation keeps them.
+        handles = [w["handle"] for w in self.workers if w.get("handle") is not None]
+        self.workers = []
+        if self.state is StandbyState.ADOPTING:
+            self._to(StandbyState.OFF, f"generation {generation} built ({result})")
+        return {"result": result, "adopted_ranks": adopted, "handles": handles}
+
+    def build_failed(self) -> None:
+        """The build that claimed the standby failed; its cleanup killed what it adopted."""
+        self.workers = []
+        if self.state is StandbyState.ADOPTING:
+            self._to(StandbyState.OFF, "the build that claimed it failed")
+
+    async def stop(self) -> None:
+        await self._cancel()
+        await self._discard_workers()
+        if self.state is not StandbyState.OFF:
+            self._to(StandbyState.OFF, "stopping")
+        if self.enabled:
+            await asyncio.to_thread(self.builder.stop_forkserver)
+        self.forkserver_pid = None
+
+    async def discard(self, reason: str) -> None:
+        """Drop the standby (a reload changed the engine arguments it was made for)."""
+        await self._cancel()
+        await self._discard_workers()
+        if self.state is not StandbyState.OFF:
+            self._to(StandbyState.OFF, reason)
+
+    # --- the standby's own task -----------------------------------------------------------------
+
+    async def _cancel(self) -> None:
+        task, self._task = self._task, None
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def _discard_workers(self) -> None:
+        workers, self.workers = self.workers, []
+        if workers:
+            await asyncio.to_thread(self.builder.kill_standby, workers)
+
+    async def _run(self, generation: int, vllm_config: Any) -> None:
+        started = time.monotonic()
+        failures = 0
+        while True:
+            try:
+                await self._make_ready(generation, vllm_config, started)
+                await self._watch(generation, vllm_config)
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                failures += 1
+                self.last_error = f"{type(exc).__name__}: {exc}"[:300]
+                log.warning("standby preparation failed", error=self.last_error, attempt=failures)
+                await self._discard_workers()
+                self._to(StandbyState.UNAVAILABLE, self.last_error)
+                await asyncio.sleep(min(RETRY_S[1], RETRY_S[0] * 2 ** (failures - 1)))
+                self._to(StandbyState.PREPARING, "retrying")
+
+    async def _make_ready(self, generation: int, vllm_config: Any, started: float) -> None:
+        if not await asyncio.to_thread(self.builder.forkserver_alive):
+            took = await asyncio.to_thread(self.builder.start_forkserver)
+            log.info("standby engine-core fork server ready", took_s=round(took, 2))
+        self.forkserver_pid = await asyncio.to_thread(self.builder.forkserver_pid)
+        if self.builder.uses_ray and not self.workers:
+            async with self._creating:
+                self.workers = await asyncio.to_thread(self.builder.create_standby, generation, vllm_config)
+        while self.builder.uses_ray:
+            states = await asyncio.to_thread(self.builder.standby_states, self.workers)
+            for w, s in zip(self.workers, states):
+                w.update(state=s["state"], pid=s["pid"])
+            dead = [s for s in states if s["state"] == "DEAD"]
+            if dead:
+                raise RuntimeError(f"a standby worker died while starting: {dead[0]['death'] or 'no cause'}")
+            if all(s["state"] == "ALIVE" for s in states):
+                break
+            await asyncio.sleep(POLL_S / 2)
+        self.ready_after_s = time.monotonic() - started
+        self._to(StandbyState.READY, f"ready in {self.ready_after_s:.1f} s")
+        log.info("standby ready", for_generation=generation, took_s=round(self.ready_after_s, 2),
+                 forkserver_pid=self.forkserver_pid, worker_pids=[w.get("pid") for w in self.workers])
+
+    async def _watch(self, generation: int, vllm_config: Any) -> None:
+        """Until claimed: a dead part is replaced (never a serving failure)."""
+        while True:
+            await asyncio.sleep(POLL_S)
+            lost = []
+            if not await asyncio.to_thread(self.builder.forkserver_alive):
+                lost.append("engine-core fork server")
+            if self.builder.uses_ray:
+                states = await asyncio.to_thread(self.builder.standby_states, self.workers)
+                for w, s in zip(self.workers, states):
+                    if s["state"] == "DEAD":
+                        lost.append(f"worker {w['name']} (pid {w.get('pid')}): {s['death'] or 'no cause'}")
+            if not lost:
+                continue
+            self.replacements += 1
+            self.metrics.standby_replacements.inc()
+            log.warning("standby died; replacing it (not a serving failure)", lost=lost, for_generation=generation)
+            self._to(StandbyState.PREPARING, f"replacing: {lost[0][:150]}")
+            await self._discard_workers()
+            await self._make_ready(generation, vllm_config, time.monotonic())

@@ -1,0 +1,98 @@
+"""The warm standby on a real daemon (TP=1, Ray, vLLM): a worker kill is recovered in the
+standby's pre-started process, with the clients' text exact; a killed standby is replaced
+without touching the serving engine; stop leaves nothing. (TP=2 adoption is asserted by
+``test_recovery.py``'s first kill.)"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from chaos import inject
+from chaos.load import PROMPTS, as_reference, compare, run_with_fault
+from tests.chaos.test_recovery import MAX_TOKENS, start_daemon, stop_leaves_nothing
+
+pytestmark = pytest.mark.integration
+
+
+def wait_standby(daemon, state: str = "ready", timeout_s: float = 180, **more) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        s = daemon.status()
+        sb = s["standby"]
+        if sb["state"] == state and all(sb.get(k) == v for k, v in more.items()):
+            return s
+        time.sleep(0.3)
+    raise AssertionError(f"standby not {state} {more} within {timeout_s} s: {daemon.status()['standby']}\n{daemon.tail()}")
+
+
+@pytest.fixture(scope="module")
+def tp1(tmp_path_factory, ray_head):
+    with start_daemon(tmp_path_factory.mktemp("standby"), ray_head, tp=1, max_restarts=20) as d:
+        d.wait_ready()
+        inject.prepare(ray_head.address)
+        ref = as_reference(asyncio.run(run_with_fault(d.base_url, len(PROMPTS), MAX_TOKENS))[0])
+        yield d, ref
+
+
+def exact(records, ref) -> None:
+    summary = compare(records, ref)
+    assert summary["failed"] == 0, [(r.status, r.error) for r in records if r.outcome != "ok"]
+    assert summary["mismatched"] == 0, summary
+
+
+def test_kill_is_recovered_in_the_standby_process(tp1, ray_head):
+    daemon, ref = tp1
+    s = wait_standby(daemon)
+    gen = s["generation"]
+    standby = s["standby"]
+    assert standby["for_generation"] == gen + 1 and standby["forkserver_pid"]
+    standby_pids = [w["pid"] for w in standby["workers"]]
+    assert len(standby_pids) == 1 and all(standby_pids)
+    serving_pids = [w["pid"] for w in daemon.full_status()["workers"]]
+    assert set(serving_pids).isdisjoint(standby_pids)
+
+    records, _ = asyncio.run(run_with_fault(daemon.base_url, 4, MAX_TOKENS, lambda: inject.kill_worker(ray_head.address, rank=0)))
+    after = daemon.wait_generation(gen + 1)
+    exact(records, ref)
+    rec = after["recoveries"][-1]
+    assert rec["reason"] == "worker_death" and rec["standby"] == {"result": "adopted", "adopted_ranks": [0]}, rec
+    # the new generation's worker is the standby's process, started before the fault
+    assert [w["pid"] for w in daemon.full_status()["workers"]] == standby_pids
+    assert after["standby"]["adoptions"]["adopted"] >= 1
+    # and a new standby is prepared for the generation after it
+    s2 = wait_standby(daemon, for_generation=gen + 2)
+    assert set(w["pid"] for w in s2["standby"]["workers"]).isdisjoint(standby_pids)
+    metrics = httpx.get(daemon.base_url + "/metrics/supervisor").text
+    assert 'vllm_supervisor_standby_state{state="ready"} 1.0' in metrics
+    assert 'vllm_supervisor_standby_adoptions_total{result="adopted"}' in metrics
+    print(f"\nengine_start with the standby: {rec['phases_s']['engine_start']:.1f} s, phases {rec['phases_s']}")
+
+
+def test_killed_standby_is_replaced_without_a_recovery(tp1, ray_head):
+    daemon, ref = tp1
+    s = wait_standby(daemon)
+    gen, recoveries = s["generation"], len(s["recoveries"])
+    replaced = s["standby"]["replacements"]
+    old_pids = [w["pid"] for w in s["standby"]["workers"]]
+    killed = inject.kill_worker(ray_head.address, standby=True)
+    assert killed["killed"].endswith(f"-g{gen + 1}"), killed
+    s = wait_standby(daemon, replacements=replaced + 1)
+    assert s["generation"] == gen and s["state"] == "ready" and len(s["recoveries"]) == recoveries
+    new_pids = [w["pid"] for w in s["standby"]["workers"]]
+    assert new_pids and set(new_pids).isdisjoint(old_pids)
+    # serving was never touched, and the replacement is what the next recovery adopts
+    records, _ = asyncio.run(run_with_fault(daemon.base_url, 4, MAX_TOKENS, lambda: inject.kill_worker(ray_head.address, rank=0)))
+    exact(records, ref)
+    after = daemon.wait_generation(gen + 1)
+    assert after["recoveries"][-1]["standby"]["result"] == "adopted"
+    assert [w["pid"] for w in daemon.full_status()["workers"]] == new_pids
+
+
+def test_stop_with_a_standby_leaves_nothing(tp1, ray_head):
+    daemon, _ = tp1
+    wait_standby(daemon)
+    stop_leaves_nothing(daemon, ray_head)

@@ -1,0 +1,98 @@
+"""The warm standby's logic over the fake builder (``FakeBuilder`` simulates the fork server
+and the standby actors; the real ones are exercised by ``tests/chaos/test_standby.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+from supervisor.events import EngineFailed, SignalReceived
+from supervisor.standby import TRANSITIONS, StandbyState
+from supervisor.states import State
+from tests.unit.test_supervisor_fake_engine import FakeSupervisor, collect, reference, run, settings, wait_for
+
+
+def test_standby_is_prepared_adopted_and_prepared_again(tmp_path):
+    async def scenario():
+        sup = FakeSupervisor(settings(tmp_path))
+        b = sup.builder
+        owner = asyncio.create_task(sup.run())
+        await wait_for(lambda: sup.standby.state is StandbyState.READY)
+        assert b.claims[0] == (1, {"namespace": None, "forkserver": False})  # the first start is cold
+        assert sup.standby.generation == 2 and b.forkserver_up
+        assert sup.status()["standby"]["workers"][0]["state"] == "ALIVE"
+
+        def kill_at_5(n):
+            if n == 5:
+                sup.engines[0].die()
+                sup.post(EngineFailed(1, "worker_death", "rank 0 killed"))
+
+        assert await collect(sup, [1, 2], 20, kill_at_5) == reference([1, 2], 20)
+        assert b.claims[1] == (2, {"namespace": "fake-ns", "forkserver": True})
+        assert b.serving[2] == b.standby_made[0]["actor_id"]  # generation 2 runs in the standby
+        assert sup.recoveries[0]["standby"] == {"result": "adopted", "adopted_ranks": [0]}
+        assert sup.standby.adoptions == {"adopted": 1, "cold": 0}
+        await wait_for(lambda: sup.standby.state is StandbyState.READY and sup.standby.generation == 3)
+        sup.post(SignalReceived(signal.SIGTERM))
+        assert await owner == 0
+        assert sup.standby.state is StandbyState.OFF and not b.forkserver_up
+        assert all(b.actor_states[w["actor_id"]] == "DEAD" for w in b.standby_made[1:])  # the unused one is killed
+
+    run(scenario())
+
+
+def test_dead_standby_is_replaced_without_a_recovery(tmp_path):
+    async def scenario():
+        sup = FakeSupervisor(settings(tmp_path))
+        b = sup.builder
+        owner = asyncio.create_task(sup.run())
+        await wait_for(lambda: sup.standby.state is StandbyState.READY)
+        b.actor_states[b.standby_made[0]["actor_id"]] = "DEAD"  # the standby actor dies
+        await wait_for(lambda: sup.standby.replacements == 1 and sup.standby.state is StandbyState.READY, 10)
+        assert len(b.standby_made) == 2 and sup.standby.workers[0]["actor_id"] == b.standby_made[1]["actor_id"]
+        assert sup.state is State.READY and sup.generation_number == 1 and not sup.recoveries
+        assert sup.metrics.standby_replacements._value.get() == 1
+        b.forkserver_up = False  # the fork server dies too
+        await wait_for(lambda: sup.standby.replacements == 2 and b.forkserver_up, 10)
+        owner.cancel()
+
+    run(scenario())
+
+
+def test_a_failed_build_falls_back_to_a_cold_one(tmp_path):
+    async def scenario():
+        sup = FakeSupervisor(settings(tmp_path))
+        b = sup.builder
+        owner = asyncio.create_task(sup.run())
+        await wait_for(lambda: sup.standby.state is StandbyState.READY)
+        b.build_failures = 1  # the build that adopts the standby fails
+        sup.engines[0].die()
+        sup.post(EngineFailed(1, "worker_death", "rank 0 killed"))
+        await wait_for(lambda: sup.state is State.READY and sup.generation_number == 3)
+        assert [c[0] for c in b.claims] == [1, 2, 3]
+        assert b.claims[2][1] == {"namespace": None, "forkserver": True}  # no standby for 3: cold workers
+        assert b.serving[3] == "cold-3" and sup.standby.adoptions == {"adopted": 0, "cold": 1}
+        await wait_for(lambda: sup.standby.state is StandbyState.READY and sup.standby.generation == 4)
+        owner.cancel()
+
+    run(scenario())
+
+
+def test_standby_none_prepares_nothing(tmp_path):
+    async def scenario():
+        sup = FakeSupervisor(settings(tmp_path, standby="none"))
+        owner = asyncio.create_task(sup.run())
+        await wait_for(lambda: sup.state is State.READY)
+        await asyncio.sleep(0.2)
+        assert sup.standby.state is StandbyState.OFF and not sup.builder.standby_made and not sup.builder.forkserver_up
+        assert sup.builder.claims == [(1, None)]
+        assert sup.status()["standby"]["mode"] == "none"
+        owner.cancel()
+
+    run(scenario())
+
+
+def test_standby_transition_table_is_closed():
+    for state, targets in TRANSITIONS.items():
+        assert state not in targets and targets <= set(StandbyState)
+    assert set(TRANSITIONS) == set(StandbyState)
