@@ -1,30 +1,36 @@
-"""Recovery time, in one run on one machine:
+"""Recovery time, in one run on one machine, for each tensor-parallel size asked:
 
-1. the engine's cold start inside the warm daemon process (``ctl restart``'s engine_start phase);
-2. kill → first token of the new engine in the daemon (``ray.kill`` of a worker mid-stream),
-   and detection latency (kill → worker-death event) over ``--kills`` kills;
-3. the anchor users have today: ``vllm serve`` whose worker is killed, restarted by a
+1. the engine's cold start inside the warm daemon process (``ctl restart`` with
+   ``standby = none``: its engine_start phase);
+2. kill → first token of the new engine without the standby (``ray.kill`` of a worker
+   mid-stream, ``standby = none``);
+3. kill → first token with the warm standby (``standby = warm``; each kill waits until the
+   standby for the next generation is ready), and where that recovery's time goes;
+4. the anchor users have today: ``vllm serve`` whose worker is killed, restarted by a
    supervisor loop the way systemd would (``Restart=always``), until its first token.
 
-    python -m bench.recovery --kills 20 --anchors 3
+    python -m bench.recovery --tp 1 2 --kills 5 --anchors 2
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import re
 import statistics
 import subprocess
 import tempfile
 import time
 import traceback
+from datetime import datetime
 from pathlib import Path
 
 import httpx
 
 from bench.common import MODEL_NAME, VllmServe, base_parser, spread, start_daemon
 from chaos import inject
-from chaos.harness import BIN, RayHead
+from chaos.harness import BIN, Daemon, RayHead
 from chaos.load import first_token_after, run_with_fault
 
 
@@ -42,12 +48,12 @@ def first_token(base_url: str, deadline: float) -> float:
     raise RuntimeError("server never answered")
 
 
-def anchor_process_restart(work: Path, head: RayHead, reps: int) -> list[float]:
+def anchor_process_restart(work: Path, head: RayHead, reps: int, tp: int) -> list[float]:
     """vllm serve + a restart loop: kill a worker, wait for the process to exit, start it
     again (as systemd's Restart=always would), measure kill → first token."""
     times = []
     for i in range(reps):
-        server = VllmServe(work, head).start()
+        server = VllmServe(work, head, tp=tp).start()
         server.wait_ready()
         first_token(server.base_url, time.monotonic() + 60)
         killed = inject.kill_worker(head.address, match="")
@@ -57,80 +63,215 @@ def anchor_process_restart(work: Path, head: RayHead, reps: int) -> list[float]:
         except subprocess.TimeoutExpired:
             code = "hung"
         server.stop()  # reaps it and removes the shared memory it left
-        restarted = VllmServe(work, head)
+        restarted = VllmServe(work, head, tp=tp)
         restarted.port, restarted.base_url = server.port, server.base_url
         restarted.cmd[restarted.cmd.index("--port") + 1] = str(server.port)
         restarted.start()
         got = first_token(restarted.base_url, time.monotonic() + 300)
         times.append(got - kill_at)
-        print(f"anchor {i + 1}: vllm serve exited with {code}; kill → first token after restart {got - kill_at:.1f} s", flush=True)
+        print(f"TP={tp} anchor {i + 1}: vllm serve exited with {code}; kill → first token after restart {got - kill_at:.1f} s", flush=True)
         restarted.stop()
         time.sleep(2)
     return times
 
 
+def wait_standby_ready(daemon: Daemon, generation: int, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        sb = daemon.status()["standby"]
+        if sb["state"] == "ready" and sb["for_generation"] == generation:
+            return
+        time.sleep(0.3)
+    raise RuntimeError(f"standby for generation {generation} not ready: {daemon.status()['standby']}")
+
+
+def kills(daemon: Daemon, head: RayHead, n: int, tp: int, standby: bool) -> tuple[list[float], list[float], list[dict]]:
+    """``n`` kills under 4 streams: kill → first token (s), detection (ms), recovery records."""
+    recover, detect, records_out = [], [], []
+    for i in range(n):
+        gen = daemon.status()["generation"]
+        if standby:
+            wait_standby_ready(daemon, gen + 1)
+        records, info = asyncio.run(run_with_fault(
+            daemon.base_url, 4, 400, lambda: inject.kill_worker(head.address, rank=i % tp), offset=i))
+        s = daemon.wait_generation(gen + 1)
+        rec = s["recoveries"][-1]
+        detect.append((rec["detected_monotonic"] - info["monotonic"]) * 1000)
+        first = first_token_after(records, rec["ready_monotonic"])
+        assert first is not None and all(r.outcome == "ok" for r in records), [r.error for r in records]
+        recover.append(first - info["monotonic"])
+        rec["kill_to_first_token_s"] = recover[-1]
+        records_out.append(rec)
+        label = f"with standby ({(rec.get('standby') or {}).get('result')})" if standby else "without standby"
+        print(f"TP={tp} kill {i + 1} {label}: detection {detect[-1]:.1f} ms, kill → first token {recover[-1]:.1f} s, "
+              f"phases {{{', '.join(f'{k}: {v:.2f}' for k, v in rec['phases_s'].items())}}}", flush=True)
+    return recover, detect, records_out
+
+
+def _ts(line: dict) -> float:
+    return datetime.fromisoformat(line["timestamp"].replace("Z", "+00:00")).timestamp()
+
+
+def build_phases(daemon: Daemon) -> list[dict[str, float]]:
+    """Inside each engine build (from the daemon's log): config + engine-core process start,
+    engine-core init before its executor, the executor (workers adopted or created, device,
+    model load), vLLM's KV cache + warm-up, and the rest (handshakes, client)."""
+    text = daemon.log_path.read_text(errors="replace")
+    builds: dict[int, dict[str, float]] = {}
+    for raw in text.splitlines():
+        if raw.startswith("{"):
+            try:
+                line = json.loads(raw)
+            except ValueError:
+                continue
+            if line.get("event") == "building engine":
+                builds[line["engine_generation"]] = {"build_start": _ts(line)}
+            elif line.get("event") == "engine up" and line.get("engine_generation") in builds:
+                builds[line["engine_generation"]]["build_end"] = _ts(line)
+        elif "executor timing " in raw:
+            t = json.loads(raw.split("executor timing ", 1)[1])
+            builds.setdefault(t["generation"], {}).update(t)
+        elif "init engine (profile, create kv cache, warmup model) took" in raw:
+            m = re.search(r"took ([\d.]+) s", raw)
+            last = max(builds) if builds else None
+            if m and last is not None:
+                builds[last]["kv_warmup_s"] = float(m.group(1))
+    out = []
+    for gen, b in sorted(builds.items()):
+        if not {"build_start", "build_end", "process_start_unix", "executor_s", "kv_warmup_s"} <= set(b):
+            continue
+        total = b["build_end"] - b["build_start"]
+        p = {"generation": gen, "total": total,
+             "config + engine-core process": b["process_start_unix"] - b["build_start"],
+             "engine core before its executor": b["executor_start_unix"] - b["process_start_unix"],
+             "executor: workers, device, model": b["executor_s"],
+             "KV cache + warm-up": b["kv_warmup_s"], "adopted": bool(b.get("adopted"))}
+        p["handshakes + client"] = total - sum(v for k, v in p.items() if k not in ("generation", "total", "adopted"))
+        out.append(p)
+    return out
+
+
+def _cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat", "rb") as fh:
+        fields = fh.read().rsplit(b")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith("VmRSS")) / 1024
+
+
+def idle_cost(daemon: Daemon, window_s: float = 30.0) -> dict:
+    """RSS and CPU of the standby's processes while it waits (same host only)."""
+    sb = daemon.wait_standby()["standby"]
+    pids = {"fork server": sb["forkserver_pid"], **{f"worker rank {w['rank']}": w["pid"] for w in sb["workers"]}}
+    before = {k: _cpu_s(p) for k, p in pids.items()}
+    time.sleep(window_s)
+    return {k: {"rss_mib": round(_rss_mib(p)), "cpu_pct": round(100 * (_cpu_s(p) - before[k]) / window_s, 2)}
+            for k, p in pids.items()}
+
+
+def run_tp(work: Path, head: RayHead, tp: int, args) -> dict:
+    socket_of = lambda d: f"/tmp/vllm-supervisor-{d.port}.sock"  # noqa: E731
+    out: dict = {}
+    with start_daemon(work / f"cold-tp{tp}", head, tp=tp, max_model_len=1024, max_restarts=1000, standby="none") as daemon:
+        daemon.wait_ready()
+        cold = []
+        for i in range(args.cold_starts):
+            gen = daemon.status()["generation"]
+            subprocess.run([str(BIN / "vllm-supervisor"), "ctl", "--socket", socket_of(daemon), "restart"], check=True, capture_output=True)
+            s = daemon.wait_generation(gen + 1)
+            cold.append(s["recoveries"][-1]["phases_s"]["engine_start"])
+            print(f"TP={tp} cold start in the warm process {i + 1}: {cold[-1]:.1f} s", flush=True)
+        inject.prepare(head.address)
+        out["recovery_none_s"], out["detect_none_ms"], _ = kills(daemon, head, args.kills, tp, standby=False)
+        out["phases_none"] = build_phases(daemon)[-args.kills:]
+        daemon.stop()
+    out["cold_start_s"] = cold
+    with start_daemon(work / f"warm-tp{tp}", head, tp=tp, max_model_len=1024, max_restarts=1000, standby="warm") as daemon:
+        daemon.wait_ready()
+        out["standby_idle"] = idle_cost(daemon)
+        print(f"TP={tp} standby idle cost: {out['standby_idle']}", flush=True)
+        out["recovery_warm_s"], out["detect_warm_ms"], recs = kills(daemon, head, args.kills, tp, standby=True)
+        out["standby_results"] = [(r.get("standby") or {}).get("result") for r in recs]
+        out["recovery_phases_warm"] = [r["phases_s"] for r in recs]
+        out["phases_warm"] = build_phases(daemon)[-args.kills:]
+        out["standby_ready_after_s"] = daemon.status()["standby"]["ready_after_s"]
+        daemon.stop()
+    out["process_restart_s"] = anchor_process_restart(work, head, args.anchors, tp) if args.anchors else []
+    return out
+
+
+def median_phases(rows: list[dict]) -> dict[str, float]:
+    keys = [k for k in (rows[0] if rows else {}) if k not in ("generation", "adopted")]
+    return {k: statistics.median(r[k] for r in rows) for k in keys}
+
+
+def report(tp: int, r: dict) -> list[str]:
+    med = statistics.median
+    lines = [
+        f"### TP={tp}",
+        "",
+        "| measurement | n | min / median / max |",
+        "| --- | --- | --- |",
+        f"| engine cold start inside the warm daemon (s) | {len(r['cold_start_s'])} | {spread(r['cold_start_s'])} |",
+        f"| kill → first token, no standby (s) | {len(r['recovery_none_s'])} | {spread(r['recovery_none_s'])} |",
+        f"| kill → first token, warm standby (s) | {len(r['recovery_warm_s'])} | {spread(r['recovery_warm_s'])} |",
+        f"| detection latency: kill → worker-death event (ms) | {len(r['detect_warm_ms'])} | {spread(r['detect_warm_ms'])} |",
+    ]
+    if r["process_restart_s"]:
+        lines.append(f"| vllm serve + restart loop: kill → first token (s) | {len(r['process_restart_s'])} | {spread(r['process_restart_s'])} |")
+    cold, warm = med(r["cold_start_s"]), med(r["recovery_warm_s"])
+    lines += ["", f"- standby builds adopted: {r['standby_results'].count('adopted')} of {len(r['standby_results'])}; "
+              f"the standby was ready {r['standby_ready_after_s']} s after the previous generation",
+              f"- warm standby recovery / engine cold start: **{warm / cold:.2f}** (goal ≤ 0.3)",
+              f"- no-standby recovery / engine cold start: {med(r['recovery_none_s']) / cold:.2f}"]
+    if r["process_restart_s"]:
+        lines.append(f"- warm standby recovery / vllm serve restart: **{warm / med(r['process_restart_s']):.2f}** (goal ≤ 0.2)")
+    idle = "; ".join(f"{k}: {v['rss_mib']} MiB RSS, {v['cpu_pct']} % CPU" for k, v in r["standby_idle"].items())
+    lines.append(f"- standby idle cost over 30 s: {idle}")
+    phases = median_phases(r["phases_warm"])
+    phases_none = median_phases(r["phases_none"])
+    rec = {k: med(p[k] for p in r["recovery_phases_warm"]) for k in r["recovery_phases_warm"][0]}
+    lines += ["", "Where a recovery's time goes (medians, s):", "",
+              "| phase | no standby | warm standby |", "| --- | --- | --- |"]
+    for k in ("detect", "drain", "teardown", "placement_group"):
+        lines.append(f"| {k} | | {rec.get(k, 0):.2f} |")
+    lines.append(f"| engine build (engine_start) | {phases_none.get('total', 0):.2f} | {phases.get('total', 0):.2f} |")
+    for k in phases:
+        if k != "total":
+            lines.append(f"| — {k} | {phases_none.get(k, 0):.2f} | {phases[k]:.2f} |")
+    lines.append(f"| ready → first token of a parked stream | | {warm - sum(rec.values()):.2f} |")
+    return lines + [""]
+
+
 def main() -> int:
     parser = base_parser(__doc__)
-    parser.add_argument("--kills", type=int, default=20)
-    parser.add_argument("--anchors", type=int, default=3)
+    parser.add_argument("--kills", type=int, default=5)
+    parser.add_argument("--anchors", type=int, default=2)
     parser.add_argument("--cold-starts", type=int, default=2)
-    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench-recovery-"))
     head = RayHead(num_cpus=2).start()
-    result: dict = {}
+    results: dict = {}
     try:
-        daemon = start_daemon(work, head, tp=args.tp, max_model_len=1024, max_restarts=1000)
-        daemon.wait_ready()
-        socket = f"/tmp/vllm-supervisor-{daemon.port}.sock"
-        cold = []
-        for i in range(args.cold_starts):
-            gen = daemon.status()["generation"]
-            subprocess.run([str(BIN / "vllm-supervisor"), "ctl", "--socket", socket, "restart"], check=True, capture_output=True)
-            s = daemon.wait_generation(gen + 1)
-            cold.append(s["recoveries"][-1]["phases_s"]["engine_start"])
-            print(f"cold start in the warm process {i + 1}: {cold[-1]:.1f} s", flush=True)
-        detect, recover = [], []
-        inject.prepare(head.address)  # a first ray.init + get_actor inside the fault takes seconds
-        for i in range(args.kills):
-            gen = daemon.status()["generation"]
-            records, info = asyncio.run(run_with_fault(
-                daemon.base_url, 4, 400, lambda: inject.kill_worker(head.address, rank=i % args.tp), offset=i))
-            s = daemon.wait_generation(gen + 1)
-            rec = s["recoveries"][-1]
-            detect.append((rec["detected_monotonic"] - info["monotonic"]) * 1000)
-            first = first_token_after(records, rec["ready_monotonic"])
-            assert first is not None and all(r.outcome == "ok" for r in records), [r.error for r in records]
-            recover.append(first - info["monotonic"])
-            print(f"kill {i + 1}: detection {detect[-1]:.1f} ms, kill → first token {recover[-1]:.1f} s", flush=True)
-        daemon.stop()
-        anchors = anchor_process_restart(work, head, args.anchors) if args.anchors else []
+        for tp in args.tp:
+            results[tp] = run_tp(work, head, tp, args)
     except BaseException:
         traceback.print_exc()  # before the head goes: a driver that loses its GCS may abort the process
         raise
     finally:
         inject.disconnect()
         head.stop()
-    med = statistics.median
-    lines = [
-        f"Recovery, {time.strftime('%Y-%m-%d')}: TP={args.tp}, demo model on CPU, one run on one machine",
-        "",
-        "| measurement | n | min / median / max |",
-        "| --- | --- | --- |",
-        f"| engine cold start inside the warm daemon (s) | {len(cold)} | {spread(cold)} |",
-        f"| daemon: kill → first token of the new engine (s) | {len(recover)} | {spread(recover)} |",
-        f"| detection latency: kill → worker-death event (ms) | {len(detect)} | {spread(detect)} |",
-    ]
-    if anchors:
-        lines.append(f"| vllm serve + restart loop: kill → first token (s) | {len(anchors)} | {spread(anchors)} |")
-    lines += ["", f"- daemon recovery / engine cold start: **{med(recover) / med(cold):.2f}** (goal ≤ 1.05)"]
-    if anchors:
-        lines.append(f"- daemon recovery / process restart: **{med(recover) / med(anchors):.2f}** (goal ≤ 0.5)")
-    text = "\n".join(lines) + "\n"
-    result = {"cold_start_s": cold, "recovery_s": recover, "detect_ms": detect, "process_restart_s": anchors}
+    lines = [f"Recovery, {time.strftime('%Y-%m-%d')}: demo model on CPU, one run on one machine", ""]
+    for tp, r in results.items():
+        lines += report(tp, r)
+    text = "\n".join(lines)
     (args.out / "recovery.md").write_text(text)
-    (args.out / "recovery.json").write_text(json.dumps(result, indent=2))
+    (args.out / "recovery.json").write_text(json.dumps(results, indent=2))
     print(text)
     return 0
 

@@ -167,6 +167,18 @@ class Daemon:
 
         return request(socket_path(port=self.port), "status", timeout_s=30)["status"]
 
+    def wait_standby(self, state: str = "ready", timeout_s: float = 180, **more: Any) -> dict:
+        """Wait until the warm standby is in ``state`` (and its status has ``more``); returns
+        the daemon's status."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            s = self.status()
+            sb = s["standby"]
+            if sb["state"] == state and all(sb.get(k) == v for k, v in more.items()):
+                return s
+            time.sleep(0.3)
+        raise AssertionError(f"standby not {state} {more} within {timeout_s} s: {self.status()['standby']}\n{self.tail()}")
+
     def wait_generation(self, generation: int, timeout_s: float = 300) -> dict:
         """Wait until READY on at least ``generation``; returns the status."""
         deadline = time.monotonic() + timeout_s

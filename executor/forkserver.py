@@ -45,6 +45,15 @@ class EnvReplayProcess(multiprocessing.context.ForkServerProcess):
     def run(self) -> None:
         env = getattr(self, "_parent_env", None)
         if env is not None:
+            # setproctitle maps the process title over argv and the original environ block;
+            # once the environment is replaced it can no longer find that block, so it is
+            # set up first (vLLM names its processes "VLLM::EngineCore" with it).
+            try:
+                import setproctitle
+
+                setproctitle.getproctitle()
+            except ImportError:
+                pass
             os.environ.clear()
             os.environ.update(env)
         super().run()

@@ -19,9 +19,11 @@ contained here:
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
+import time
 from typing import Any
 
 import ray
@@ -46,6 +48,7 @@ class SupervisedRayExecutor(DeathReporter, _v2.RayExecutorV2):
     """Ray V2 executor that reports worker deaths to the vllm-supervisor daemon."""
 
     def _init_executor(self) -> None:
+        started = time.time()
         self._wire()
         # vLLM names the actors after instance_id while they are created; keep that value.
         self._instance_id = self.vllm_config.instance_id
@@ -72,6 +75,10 @@ class SupervisedRayExecutor(DeathReporter, _v2.RayExecutorV2):
             self.actor_names(),
             sorted(self.adopted) or "none",
         )
+        # One machine-readable line for bench.recovery's phase table (wall-clock times).
+        logger.info("executor timing %s", json.dumps({
+            "generation": self._generation, "process_start_unix": _process_start_unix(),
+            "executor_start_unix": started, "executor_s": time.time() - started, "adopted": sorted(self.adopted)}))
 
     def _supervisor_config(self) -> dict:
         from executor.events import ADDITIONAL_CONFIG_KEY
@@ -181,6 +188,15 @@ class SupervisedRayExecutor(DeathReporter, _v2.RayExecutorV2):
             if shm is not None:
                 names.append(shm.name)
         return names
+
+
+def _process_start_unix() -> float:
+    """When this process (the engine core) started, in Unix time (from /proc)."""
+    with open("/proc/self/stat", "rb") as fh:
+        start_ticks = int(fh.read().rsplit(b")", 1)[1].split()[19])
+    with open("/proc/stat", "rb") as fh:
+        boot = next(int(line.split()[1]) for line in fh if line.startswith(b"btime"))
+    return boot + start_ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _unlink_shm(names: list[str]) -> None:

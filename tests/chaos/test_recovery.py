@@ -60,7 +60,7 @@ def assert_all_exact(records, ref) -> None:
     assert all(r.usage_completion_tokens == MAX_TOKENS for r in records)
 
 
-def assert_clean_generation(daemon: Daemon, ray_head: RayHead, before: int) -> None:
+def assert_clean_generation(daemon: Daemon, ray_head: RayHead, before: int) -> dict:
     s = wait_state(daemon, "ready")
     assert s["generation"] > before
     seen = inject.inspect(ray_head.address)
@@ -69,6 +69,7 @@ def assert_clean_generation(daemon: Daemon, ray_head: RayHead, before: int) -> N
     assert len(seen["placement_groups"]) == 1 and seen["placement_groups"][0]["state"] == "CREATED", seen
     leaked = (shm_segments() - daemon.shm_before) - mapped_segments()
     assert not {n for n in leaked if not n.startswith("sem.")}, leaked
+    return s
 
 
 def stop_leaves_nothing(daemon, ray_head) -> None:
@@ -111,12 +112,13 @@ def tp2(tmp_path_factory, ray_head):
 
 def test_tp2_ray_kill_rank1_mid_stream(tp2, ray_head):
     daemon, ref = tp2
-    before = daemon.status()["generation"]
+    before = daemon.wait_standby()["generation"]
     records, info = asyncio.run(_batch(daemon, 8, lambda: inject.kill_worker(ray_head.address, rank=1)))
     assert_all_exact(records, ref)
     assert_clean_generation(daemon, ray_head, before)
     rec = last_recovery(daemon)
     assert rec["ok"] and rec["reason"] == "worker_death"
+    assert rec["standby"] == {"result": "adopted", "adopted_ranks": [0, 1]}, rec  # both ranks pre-started
     detect_ms = (rec["detected_monotonic"] - info["monotonic"]) * 1000
     assert 0 <= detect_ms < 5000, detect_ms
     print(f"\nTP=2 kill rank 1: detection {detect_ms:.0f} ms, recovery phases {rec['phases_s']}")
@@ -129,17 +131,25 @@ def test_tp2_second_kill_while_recovering(tp2, ray_head):
     def double_fault():
         first = inject.kill_worker(ray_head.address, rank=1)
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:  # the next generation's actors exist: kill one of them
-            fresh = [w for w in inject.workers(ray_head.address) if f"-g{before + 1}_" in w["name"]]
-            if fresh:
+        while time.monotonic() < deadline:
+            # generation before+1 is being built (its workers adopted from the warm standby,
+            # which carries its names already): kill one of them mid-build
+            s = daemon.status()
+            if s["state"] == "recovering" and s["standby"]["state"] in ("adopting", "off"):
+                time.sleep(1.0)
                 inject.kill_worker(ray_head.address, rank=0, match=f"-g{before + 1}_")
                 return first
             time.sleep(0.05)
-        raise AssertionError("next generation never appeared")
+        raise AssertionError("the next generation's build never started")
 
     records, _ = asyncio.run(_batch(daemon, 6, double_fault))
     assert_all_exact(records, ref)
-    assert_clean_generation(daemon, ray_head, before + 1)
+    s = assert_clean_generation(daemon, ray_head, before)
+    # the second kill landed in the build (a failed build or a worker death of before+1),
+    # or — if its actor was not adopted yet — the build created that worker cold
+    new = s["recoveries"][-2:]
+    print(f"\ndouble fault: generation {before} -> {s['generation']}, last recoveries "
+          f"{[(r['reason'], r.get('standby')) for r in new]}, restarts {s['restarts']}")
 
 
 def one_fault(tp2, ray_head, fault) -> tuple[dict, dict]:

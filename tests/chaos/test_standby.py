@@ -6,7 +6,6 @@ without touching the serving engine; stop leaves nothing. (TP=2 adoption is asse
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import pytest
@@ -16,17 +15,6 @@ from chaos.load import PROMPTS, as_reference, compare, run_with_fault
 from tests.chaos.test_recovery import MAX_TOKENS, start_daemon, stop_leaves_nothing
 
 pytestmark = pytest.mark.integration
-
-
-def wait_standby(daemon, state: str = "ready", timeout_s: float = 180, **more) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        s = daemon.status()
-        sb = s["standby"]
-        if sb["state"] == state and all(sb.get(k) == v for k, v in more.items()):
-            return s
-        time.sleep(0.3)
-    raise AssertionError(f"standby not {state} {more} within {timeout_s} s: {daemon.status()['standby']}\n{daemon.tail()}")
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +34,7 @@ def exact(records, ref) -> None:
 
 def test_kill_is_recovered_in_the_standby_process(tp1, ray_head):
     daemon, ref = tp1
-    s = wait_standby(daemon)
+    s = daemon.wait_standby()
     gen = s["generation"]
     standby = s["standby"]
     assert standby["for_generation"] == gen + 1 and standby["forkserver_pid"]
@@ -64,7 +52,7 @@ def test_kill_is_recovered_in_the_standby_process(tp1, ray_head):
     assert [w["pid"] for w in daemon.full_status()["workers"]] == standby_pids
     assert after["standby"]["adoptions"]["adopted"] >= 1
     # and a new standby is prepared for the generation after it
-    s2 = wait_standby(daemon, for_generation=gen + 2)
+    s2 = daemon.wait_standby(for_generation=gen + 2)
     assert set(w["pid"] for w in s2["standby"]["workers"]).isdisjoint(standby_pids)
     metrics = httpx.get(daemon.base_url + "/metrics/supervisor").text
     assert 'vllm_supervisor_standby_state{state="ready"} 1.0' in metrics
@@ -74,13 +62,13 @@ def test_kill_is_recovered_in_the_standby_process(tp1, ray_head):
 
 def test_killed_standby_is_replaced_without_a_recovery(tp1, ray_head):
     daemon, ref = tp1
-    s = wait_standby(daemon)
+    s = daemon.wait_standby()
     gen, recoveries = s["generation"], len(s["recoveries"])
     replaced = s["standby"]["replacements"]
     old_pids = [w["pid"] for w in s["standby"]["workers"]]
     killed = inject.kill_worker(ray_head.address, standby=True)
     assert killed["killed"].endswith(f"-g{gen + 1}"), killed
-    s = wait_standby(daemon, replacements=replaced + 1)
+    s = daemon.wait_standby(replacements=replaced + 1)
     assert s["generation"] == gen and s["state"] == "ready" and len(s["recoveries"]) == recoveries
     new_pids = [w["pid"] for w in s["standby"]["workers"]]
     assert new_pids and set(new_pids).isdisjoint(old_pids)
@@ -94,5 +82,5 @@ def test_killed_standby_is_replaced_without_a_recovery(tp1, ray_head):
 
 def test_stop_with_a_standby_leaves_nothing(tp1, ray_head):
     daemon, _ = tp1
-    wait_standby(daemon)
+    daemon.wait_standby()
     stop_leaves_nothing(daemon, ray_head)
