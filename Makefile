@@ -44,7 +44,7 @@ chaos: venv
 bench: venv
 	$(PY) -m pip install --quiet $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e ".[$(FLAVOR),test,bench]"
 	$(PY) -m bench.serving_overhead --rounds 8
-	$(PY) -m bench.recovery --kills 20 --anchors 3
+	$(PY) -m bench.recovery --tp 1 2 --kills 5 --anchors 2
 	$(PY) -m chaos.soak --faults 50 --seed 11 --tp 2 --plot --out bench/results
 
 clean:

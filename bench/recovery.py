@@ -175,6 +175,8 @@ def idle_cost(daemon: Daemon, window_s: float = 30.0) -> dict:
 def run_tp(work: Path, head: RayHead, tp: int, args) -> dict:
     socket_of = lambda d: f"/tmp/vllm-supervisor-{d.port}.sock"  # noqa: E731
     out: dict = {}
+    for sub in (f"cold-tp{tp}", f"warm-tp{tp}"):
+        (work / sub).mkdir(parents=True, exist_ok=True)
     with start_daemon(work / f"cold-tp{tp}", head, tp=tp, max_model_len=1024, max_restarts=1000, standby="none") as daemon:
         daemon.wait_ready()
         cold = []
