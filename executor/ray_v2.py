@@ -32,7 +32,10 @@ from vllm.platforms import current_platform
 
 from executor.reporting import CAUSE_MAX_CHARS, DeathReporter, Dead
 
-logger = logging.getLogger("vllm_supervisor.executor")
+# Under vLLM's logger tree: in the engine-core process vLLM's logging config (handler, level,
+# the "(EngineCore pid=…)" prefix) applies to these lines too; a logger outside it prints
+# warnings only.
+logger = logging.getLogger("vllm.supervisor.executor")
 
 
 class SupervisedRayWorkerProc(_v2.RayWorkerProc):

@@ -14,7 +14,10 @@ import logging
 
 from executor.events import ADDITIONAL_CONFIG_KEY, WorkerDeathEvent, publish
 
-logger = logging.getLogger("vllm_supervisor.executor")
+# Under vLLM's logger tree: in the engine-core process vLLM's logging config (handler, level,
+# the "(EngineCore pid=…)" prefix) applies to these lines too; a logger outside it prints
+# warnings only.
+logger = logging.getLogger("vllm.supervisor.executor")
 
 CAUSE_MAX_CHARS = 2000
 Dead = tuple[int, str, str, str]  # (rank, actor/process name, node id, cause)

@@ -35,7 +35,10 @@ from vllm.platforms import current_platform
 
 from executor.ray_v2 import SupervisedRayWorkerProc
 
-logger = logging.getLogger("vllm_supervisor.executor")
+# Under vLLM's logger tree: in the engine-core process vLLM's logging config (handler, level,
+# the "(EngineCore pid=…)" prefix) applies to these lines too; a logger outside it prints
+# warnings only.
+logger = logging.getLogger("vllm.supervisor.executor")
 
 CLAIM_PREFIX = "vllm_Claim_"
 

@@ -181,8 +181,10 @@ class EngineBuilder:
         started = time.monotonic()
         local_workers = [] if self.cluster else engine_worker_pids(gen.engine)  # before their parent goes
         try:
-            # A failed engine core is not waited for: 1 s to exit on SIGTERM, then SIGKILL.
-            shutdown_engine(gen.engine, timeout_s=1.0 if gen.failed else 5.0)
+            # A failed engine core is not waited for: 0.25 s to exit on SIGTERM, then SIGKILL.
+            # (It never made it within vLLM's 1 s default here: its exit waits on Ray's own
+            # shutdown; that second was a third of a recovery with the warm standby.)
+            shutdown_engine(gen.engine, timeout_s=0.25 if gen.failed else 5.0)
         except Exception:
             log.exception("engine shutdown raised", engine_generation=gen.number)
         killed = self.kill_actors(gen.instance_id) if self.cluster else kill_pids(local_workers)

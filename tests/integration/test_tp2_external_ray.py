@@ -8,6 +8,7 @@ import signal
 import openai
 import pytest
 
+from chaos import inject
 from chaos.harness import Daemon
 
 pytestmark = pytest.mark.integration
@@ -23,9 +24,12 @@ def daemon(tmp_path_factory, ray_head):
 
 def test_two_worker_actors_named_with_the_generation(daemon, ray_head):
     seen = ray_head.tool("inspect")
-    workers = sorted(a["name"] for a in seen["actors"] if a["name"].startswith("vllm_Worker_"))
+    workers = sorted(a["name"] for a in inject.select(seen["actors"]))  # the serving engine's
     assert len(workers) == 2, seen
     assert all("-g1_TP" in name for name in workers), workers
+    # anything else is the warm standby, already named for generation 2
+    standby = sorted(a["name"] for a in seen["actors"] if a["name"] not in workers)
+    assert all("-g2_TP" in name for name in standby) and len(standby) in (0, 2), seen
     assert [pg["state"] for pg in seen["placement_groups"]] == ["CREATED"]
 
 
