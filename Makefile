@@ -43,6 +43,7 @@ chaos: venv
 # process restart, and a 50-fault soak with trend plot. Results: bench/results/.
 bench: venv
 	$(PY) -m pip install --quiet $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e ".[$(FLAVOR),test,bench]"
+	$(PY) -m pip uninstall --yes --quiet torchvision torchaudio torchcodec supervisor 2>/dev/null || true
 	$(PY) -m bench.serving_overhead --rounds 8
 	$(PY) -m bench.recovery --tp 1 2 --kills 5 --anchors 2
 	$(PY) -m chaos.soak --faults 50 --seed 11 --tp 2 --plot --out bench/results
