@@ -208,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     p_sig.add_argument("--signal", required=True, choices=["KILL", "STOP", "CONT", "TERM"])
     p_sig.add_argument("--rank", type=int)
     p_sig.add_argument("--match", default="")
+    p_sig.add_argument("--standby", action="store_true", help="signal a warm-standby actor's process")
     p_all = sub.add_parser("kill-all-workers")
     p_all.add_argument("--match", default="")
     p_local = sub.add_parser("signal-local-worker", help="mp executor: signal a worker process of the engine core")
@@ -223,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.cmd == "kill-worker":
         out = kill_worker(args.address, args.rank, args.match, args.seed, args.standby)
     elif args.cmd == "signal-worker":
-        out = signal_worker(args.address, getattr(signal, f"SIG{args.signal}"), args.rank, args.match)
+        out = signal_worker(args.address, getattr(signal, f"SIG{args.signal}"), args.rank, args.match, standby=args.standby)
     elif args.cmd == "kill-all-workers":
         out = kill_all_workers(args.address, args.match)
     elif args.cmd == "workers":

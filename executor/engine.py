@@ -81,15 +81,6 @@ def frontend_for(vllm_config: Any) -> tuple[Any, Any]:
     return renderer, InputProcessor(vllm_config, renderer)
 
 
-def descendants(pid: int, depth: int = 2) -> set[int]:
-    """``pid``'s children, their children, ... ``depth`` levels down (from /proc)."""
-    found, level = set(), {pid}
-    for _ in range(depth):
-        level = set(child_pids(level))
-        found |= level
-    return found
-
-
 def engine_core_pids(engine) -> list[int]:
     """PIDs of the engine's engine-core process(es)."""
     core = getattr(engine, "engine_core", None)

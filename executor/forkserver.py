@@ -16,8 +16,11 @@ Two differences from ``spawn`` are closed here:
   server, and only while one engine is built (``engine_core_start_method``). The engine
   core's own children (the ``mp`` executor's workers) keep vLLM's method.
 
-The fork server is a child of the daemon: it exits when the daemon does (Python closes its
-"alive" pipe), also on ``kill -9``.
+The fork server is a child of the daemon and the parent of every engine core it forks: it
+exits when the daemon and those engine cores have closed its "alive" pipe (on ``kill -9`` of
+the daemon too, once its engine core is gone). If it dies, the engine core it forked is seen
+as dead by vLLM (its exit status comes through the server): the daemon recovers as from any
+engine-core death, and the standby starts a new fork server.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import multiprocessing
 import multiprocessing.context
 import multiprocessing.forkserver
 import os
+import signal
 import threading
 import time
 from typing import Iterator
@@ -87,24 +91,45 @@ def start(preload: list[str] | None = None) -> float:
 
 
 def pid() -> int | None:
-    """The fork server's pid while it runs, else None."""
-    server = multiprocessing.forkserver._forkserver
-    p = getattr(server, "_forkserver_pid", None)
+    """The fork server's pid while it runs, else None. Never reaps it: a dead server stays a
+    zombie until ``start()`` (``ensure_running``) reaps and replaces it."""
+    p = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
     if p is None:
         return None
     try:
-        done, _ = os.waitpid(p, os.WNOHANG)
-    except ChildProcessError:
+        with open(f"/proc/{p}/stat", "rb") as fh:
+            return None if fh.read().rsplit(b")", 1)[1].split()[0] == b"Z" else p
+    except OSError:
         return None
-    return None if done else p
 
 
-def stop() -> None:
-    """Stop the fork server (children already forked keep running)."""
+def stop(timeout_s: float = 5.0) -> None:
+    """Stop the fork server now. Python's own stop waits until every child it forked has
+    exited (each inherits its "alive" pipe); this one closes our end, kills the server and
+    reaps it, bounded. Call it after the engines it forked are torn down."""
     with _lock:
-        stop_unlocked = getattr(multiprocessing.forkserver._forkserver, "_stop", None)
-        if stop_unlocked is not None:
-            stop_unlocked()
+        server = multiprocessing.forkserver._forkserver
+        with server._lock:
+            p, fd, address = server._forkserver_pid, server._forkserver_alive_fd, server._forkserver_address
+            server._forkserver_pid = server._forkserver_alive_fd = server._forkserver_address = None
+        if fd is not None:
+            os.close(fd)
+        if address and isinstance(address, str) and not address.startswith("\0"):
+            with contextlib.suppress(OSError):
+                os.unlink(address)
+        if p is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                done, _ = os.waitpid(p, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if done:
+                return
+            time.sleep(0.05)
 
 
 @contextlib.contextmanager
@@ -117,7 +142,9 @@ def engine_core_start_method(use_forkserver: bool) -> Iterator[None]:
     import vllm.v1.engine.utils as engine_utils
 
     original = engine_utils.get_mp_context
-    engine_utils.get_mp_context = lambda: _CONTEXT
+    # vLLM's own function still runs for its side effects (it forces and exports the start
+    # method its children use, and syncs device visibility variables); its context is not used.
+    engine_utils.get_mp_context = lambda: (original(), _CONTEXT)[1]
     try:
         yield
     finally:

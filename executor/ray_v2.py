@@ -109,7 +109,7 @@ class SupervisedRayExecutor(DeathReporter, _v2.RayExecutorV2):
                 resources = {k: v for k, v in _v2.RayExecutorV2._get_actor_resource_kwargs().items()
                              if k in ("num_gpus", "resources")}
                 claim, ids = claim_bundle(strategy, name.replace("vllm_Worker_", CLAIM_PREFIX, 1), resources)
-                claimed_ids = [int(x) for x in ids]
+                claimed_ids = list(ids)  # Ray's ids as strings (they may be UUIDs)
             pid = ray.get(handle.adopt.remote(placement, claimed_ids, **init_kwargs))
         except Exception as exc:
             logger.warning("standby %s not adopted (%s): creating the worker", name, exc)

@@ -55,14 +55,14 @@ class StandbyRayWorkerProc(SupervisedRayWorkerProc):
         for module in preload:
             importlib.import_module(module)
         self._placement = tuple(placement)
-        self._claimed_ids: list[int] | None = None
+        self._claimed_ids: list[str] | None = None
         self._adopted = False
         self._preload_s = time.monotonic() - started
 
     def standby_info(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "preload_s": self._preload_s, "adopted": self._adopted}
 
-    def adopt(self, placement: tuple[str, int], claimed_ids: list[int] | None, **init_kwargs: Any) -> int:
+    def adopt(self, placement: tuple[str, int], claimed_ids: list[str] | None, **init_kwargs: Any) -> int:
         """Become the worker vLLM's executor would have created with ``init_kwargs``."""
         if self._adopted:
             raise StandbyMismatch("this standby was adopted already")
@@ -77,15 +77,8 @@ class StandbyRayWorkerProc(SupervisedRayWorkerProc):
         if self._claimed_ids is None:
             return super().get_node_and_physical_gpu_ids()
         return ray.get_runtime_context().get_node_id(), [
-            current_platform.device_control_id_to_physical_device_id(str(x)) for x in self._claimed_ids
+            current_platform.device_control_id_to_physical_device_id(x) for x in self._claimed_ids
         ]
-
-
-class BundleClaim:
-    """Holds an adopted worker's bundle resources (GPU hosts) and reports the device ids."""
-
-    def accelerator_ids(self, device_key: str) -> list[str]:
-        return list(ray.get_runtime_context().get_accelerator_ids().get(device_key, []))
 
 
 # --- the supervisor's side: creating standbys ------------------------------------------
@@ -215,6 +208,8 @@ def claim_bundle(strategy: Any, name: str, resources: dict) -> tuple[Any, list[s
     """A claim actor holding ``resources`` of the bundle ``strategy`` names; returns it and
     the device ids Ray gave it."""
     device_key = current_platform.ray_device_key
+    from executor.claim import BundleClaim
+
     claim = ray.remote(BundleClaim).options(name=name, num_cpus=0, scheduling_strategy=strategy,
                                             **resources).remote()
     return claim, ray.get(claim.accelerator_ids.remote(device_key))

@@ -18,6 +18,15 @@ from supervisor.generation import Generation
 log = logs.get_logger("vllm_supervisor.builder")
 
 
+def _alive(pid: int) -> bool:
+    """Running (not a zombie), from /proc."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False
+
+
 class EngineBuilder:
     def __init__(self, settings: Settings, engine_args: Any, daemon_id: str, event_endpoint: str):
         self.settings = settings
@@ -137,7 +146,10 @@ class EngineBuilder:
     def create_standby(self, number: int, vllm_config: Any) -> list[dict[str, Any]]:
         from executor.standby import create_standby_workers
 
-        self.ensure_placement_group()
+        # Only into the placement group the serving generation holds: re-creating a lost one is
+        # the recovery's job (two threads doing it would leak one).
+        if self.placement_group is None or not self.cluster.placement_group_ready(self.placement_group):
+            raise RuntimeError("the placement group is not ready; the next recovery re-creates it")
         return create_standby_workers(vllm_config, self.placement_group, self.instance_id(number), self.standby_namespace)
 
     @staticmethod
@@ -175,18 +187,22 @@ class EngineBuilder:
         return new_detokenizer(tokenizer, prompt_token_ids, params, request_id)
 
     def teardown(self, gen: Generation) -> None:
-        from executor.engine import engine_worker_pids, kill_pids, shutdown_engine
+        from executor.engine import engine_core_pids, engine_worker_pids, kill_pids, shutdown_engine
         from executor.shm import sweep, vllm_segments
 
         started = time.monotonic()
         local_workers = [] if self.cluster else engine_worker_pids(gen.engine)  # before their parent goes
+        cores = engine_core_pids(gen.engine)
         try:
             # A failed engine core is not waited for: 0.25 s to exit on SIGTERM, then SIGKILL.
             # (It never made it within vLLM's 1 s default here: its exit waits on Ray's own
             # shutdown; that second was a third of a recovery with the warm standby.)
-            shutdown_engine(gen.engine, timeout_s=0.25 if gen.failed else 5.0)
+            shutdown_engine(gen.engine, timeout_s=0.25 if gen.failed and not gen.planned else 5.0)
         except Exception:
             log.exception("engine shutdown raised", engine_generation=gen.number)
+        # vLLM signals only an engine core it believes alive: one whose fork server died looks
+        # dead (its exit status came through the server) and is still running.
+        stray_cores = kill_pids([p for p in cores if _alive(p)])
         killed = self.kill_actors(gen.instance_id) if self.cluster else kill_pids(local_workers)
         # Killed workers may take a moment to exit and unmap their rings.
         removed: list[str] = []
@@ -196,7 +212,7 @@ class EngineBuilder:
             if not (vllm_segments() - gen.shm_before) or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
-        log.info("engine torn down", engine_generation=gen.number, leftover_actors_killed=killed,
+        log.info("engine torn down", engine_generation=gen.number, leftover_actors_killed=killed, stray_engine_cores=stray_cores,
                  shm_removed=removed, took_s=round(time.monotonic() - started, 2))
 
     def release_cluster(self) -> None:

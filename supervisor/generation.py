@@ -45,6 +45,7 @@ class Generation:
     # cancelled streams still inside AsyncLLM.generate's abort of a dead engine
     lingering: set[asyncio.Task] = field(default_factory=set)
     failed: bool = False
+    planned: bool = False  # retired by a drain-then-rebuild (restart, reload), not by a fault
     standby: dict[str, Any] | None = None  # what its build adopted (supervisor.standby)
     actor_handles: list[Any] = field(default_factory=list)  # adopted standbys: alive while held
 

@@ -80,6 +80,8 @@ class Operations:
             new_args.model, new_args.served_model_name = old_args.model, old_args.served_model_name
         if (new_args.host, new_args.port) != (old_args.host, old_args.port) or new.ray != old.ray:
             log.warning("--host, --port and ray settings take effect at the next daemon start")
+        if new.supervisor.standby != old.supervisor.standby:
+            log.warning("standby takes effect at the next daemon start", standby=self.standby.status()["mode"])
         changed = engine_args_changed(old_args, new_args)
         if new.engine.kv_cache_space_gib != old.engine.kv_cache_space_gib:
             changed.append("kv_cache_space_gib")
@@ -107,7 +109,7 @@ class Operations:
                 log.warning("drain deadline passed; continuing the rest on the new engine", in_flight=self.client.in_flight)
             if gen is not self.current or gen is None or gen.failed or self.state is not State.DRAINING:
                 return
-            gen.failed = True
+            gen.failed = gen.planned = True
             self.machine.transition(State.RECOVERING, detail)
             gen.interrupt_streams()
             await self._recover(gen, EngineFailed(gen.number, reason, detail))

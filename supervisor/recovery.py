@@ -162,6 +162,12 @@ class Lifecycle:
                 t = time.monotonic()
                 gen = await asyncio.to_thread(self.builder.build, number, claim)
                 phases["engine_start"] = time.monotonic() - t
+                if self.standby.enabled:  # while _building still names it: a failure now dooms it
+                    adoption = self.standby.adopted(number, await self._workers_of(gen), count=not (first and attempt == 1))
+                    gen.actor_handles = adoption.pop("handles")
+                    gen.standby = adoption
+                    if self._active_record is not None:
+                        self._active_record["standby"] = adoption
                 if self.client.model_config is None or self._reattach:  # first engine, or a reload changed it
                     front = await asyncio.to_thread(self.builder.front, gen.engine)
                     self.client.attach(gen.engine, await gen.engine.get_supported_tasks(), front)
@@ -183,12 +189,6 @@ class Lifecycle:
                     return True, "stopping"
                 self._count_restart("build_failed")
                 continue
-            if self.standby.enabled:
-                adoption = self.standby.adopted(number, await self._workers_of(gen), count=not (first and attempt == 1))
-                gen.actor_handles = adoption.pop("handles")
-                gen.standby = adoption
-                if self._active_record is not None:
-                    self._active_record["standby"] = adoption
             self.current = gen
             verb = "up" if first and attempt == 1 else "recovered"
             self.machine.transition(State.READY, f"engine generation {number} {verb} in {gen.build_s:.1f} s")
@@ -247,7 +247,10 @@ class Lifecycle:
                 gen.interrupt_streams()
                 await asyncio.to_thread(self.builder.teardown, gen)
                 await gen.reap_lingering()
-            await self.standby.stop()
+            try:  # bounded (the fork server is killed, not waited for); never skips the release below
+                await aio.wait_for(self.standby.stop(), 30)
+            except Exception:
+                log.exception("could not stop the standby")
             await asyncio.to_thread(self.builder.release_cluster)
         except Exception:
             log.exception("error while stopping")

@@ -40,7 +40,8 @@ TRANSITIONS: dict[StandbyState, frozenset[StandbyState]] = {
     StandbyState.OFF: frozenset({StandbyState.PREPARING}),
     StandbyState.PREPARING: frozenset({StandbyState.READY, StandbyState.ADOPTING, StandbyState.UNAVAILABLE,
                                        StandbyState.OFF}),
-    StandbyState.READY: frozenset({StandbyState.PREPARING, StandbyState.ADOPTING, StandbyState.OFF}),
+    StandbyState.READY: frozenset({StandbyState.PREPARING, StandbyState.ADOPTING, StandbyState.UNAVAILABLE,
+                                   StandbyState.OFF}),
     StandbyState.ADOPTING: frozenset({StandbyState.OFF}),
     StandbyState.UNAVAILABLE: frozenset({StandbyState.PREPARING, StandbyState.OFF}),
 }
@@ -144,7 +145,8 @@ class Standby:
             self._to(StandbyState.OFF, "the build that claimed it failed")
 
     async def stop(self) -> None:
-        await self._cancel()
+        async with self._creating:
+            await self._cancel()
         await self._discard_workers()
         if self.state is not StandbyState.OFF:
             self._to(StandbyState.OFF, "stopping")
@@ -154,7 +156,8 @@ class Standby:
 
     async def discard(self, reason: str) -> None:
         """Drop the standby (a reload changed the engine arguments it was made for)."""
-        await self._cancel()
+        async with self._creating:
+            await self._cancel()
         await self._discard_workers()
         if self.state is not StandbyState.OFF:
             self._to(StandbyState.OFF, reason)
@@ -186,7 +189,10 @@ class Standby:
                 failures += 1
                 self.last_error = f"{type(exc).__name__}: {exc}"[:300]
                 log.warning("standby preparation failed", error=self.last_error, attempt=failures)
-                await self._discard_workers()
+                try:
+                    await self._discard_workers()
+                except Exception as discard_exc:  # Ray unreachable: the owner's stop cleans up
+                    log.warning("could not discard the standby's workers", error=str(discard_exc))
                 self._to(StandbyState.UNAVAILABLE, self.last_error)
                 await asyncio.sleep(min(RETRY_S[1], RETRY_S[0] * 2 ** (failures - 1)))
                 self._to(StandbyState.PREPARING, "retrying")

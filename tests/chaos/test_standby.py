@@ -80,6 +80,29 @@ def test_killed_standby_is_replaced_without_a_recovery(tp1, ray_head):
     assert [w["pid"] for w in daemon.full_status()["workers"]] == new_pids
 
 
+def test_fork_server_death_is_an_engine_core_death_and_the_server_is_replaced(tp1, ray_head):
+    """The fork server is the serving engine core's parent: its death is seen as the engine
+    core's death. Streams continue exactly; the engine core it forked is killed at teardown;
+    a new fork server is started."""
+    import os
+    import signal
+
+    daemon, ref = tp1
+    s = daemon.wait_standby()
+    gen, server = s["generation"], s["standby"]["forkserver_pid"]
+    assert server
+    records, _ = asyncio.run(run_with_fault(daemon.base_url, 4, MAX_TOKENS, lambda: os.kill(server, signal.SIGKILL) or {}))
+    exact(records, ref)
+    s = daemon.wait_generation(gen + 1)
+    assert s["recoveries"][-1]["ok"]
+    s = daemon.wait_standby(for_generation=s["generation"] + 1)
+    assert s["standby"]["forkserver_pid"] not in (None, server)
+    # nothing the dead server forked is still running
+    from chaos.inject import engine_core_pids
+
+    assert len(engine_core_pids(daemon.proc.pid)) == 1
+
+
 def test_stop_with_a_standby_leaves_nothing(tp1, ray_head):
     daemon, _ = tp1
     daemon.wait_standby()

@@ -59,6 +59,33 @@ def test_dead_standby_is_replaced_without_a_recovery(tmp_path):
     run(scenario())
 
 
+def test_ray_error_while_watching_makes_it_unavailable_then_ready_again(tmp_path, monkeypatch):
+    import supervisor.standby as standby_module
+
+    monkeypatch.setattr(standby_module, "RETRY_S", (0.05, 0.1))
+
+    async def scenario():
+        sup = FakeSupervisor(settings(tmp_path))
+        b = sup.builder
+        owner = asyncio.create_task(sup.run())
+        await wait_for(lambda: sup.standby.state is StandbyState.READY)
+        real, calls = b.standby_states, []
+
+        def flaky(workers):
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("GCS unavailable (fake)")
+            return real(workers)
+
+        b.standby_states = flaky
+        await wait_for(lambda: sup.standby.last_error.startswith("RuntimeError: GCS unavailable"), 10)
+        await wait_for(lambda: sup.standby.state is StandbyState.READY and len(b.standby_made) == 2, 10)
+        assert sup.state is State.READY and not sup.recoveries
+        owner.cancel()
+
+    run(scenario())
+
+
 def test_a_failed_build_falls_back_to_a_cold_one(tmp_path):
     async def scenario():
         sup = FakeSupervisor(settings(tmp_path))
