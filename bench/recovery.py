@@ -75,23 +75,13 @@ def anchor_process_restart(work: Path, head: RayHead, reps: int, tp: int) -> lis
     return times
 
 
-def wait_standby_ready(daemon: Daemon, generation: int, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        sb = daemon.status()["standby"]
-        if sb["state"] == "ready" and sb["for_generation"] == generation:
-            return
-        time.sleep(0.3)
-    raise RuntimeError(f"standby for generation {generation} not ready: {daemon.status()['standby']}")
-
-
 def kills(daemon: Daemon, head: RayHead, n: int, tp: int, standby: bool) -> tuple[list[float], list[float], list[dict]]:
     """``n`` kills under 4 streams: kill → first token (s), detection (ms), recovery records."""
     recover, detect, records_out = [], [], []
     for i in range(n):
         gen = daemon.status()["generation"]
         if standby:
-            wait_standby_ready(daemon, gen + 1)
+            daemon.wait_standby(for_generation=gen + 1, timeout_s=300)
         records, info = asyncio.run(run_with_fault(
             daemon.base_url, 4, 400, lambda: inject.kill_worker(head.address, rank=i % tp), offset=i))
         s = daemon.wait_generation(gen + 1)
@@ -138,7 +128,7 @@ def build_phases(daemon: Daemon) -> list[dict[str, float]]:
                 builds[last]["kv_warmup_s"] = float(m.group(1))
     out = []
     for gen, b in sorted(builds.items()):
-        if not {"build_start", "build_end", "process_start_unix", "executor_s", "kv_warmup_s"} <= set(b):
+        if not {"build_start", "build_end", "executor_start_unix", "executor_s", "kv_warmup_s"} <= set(b):
             continue
         total = b["build_end"] - b["build_start"]
         # Both ends on the wall clock of one host (/proc's process start time is too coarse here:
@@ -252,21 +242,13 @@ def report(tp: int, r: dict) -> list[str]:
     return lines + [""]
 
 
-def render(path: Path, out: Path) -> str:
-    """Re-render a saved ``recovery.json`` (merging the process-start split of older runs)."""
-    results = json.loads(path.read_text())
-    merge = ("config + engine-core process", "engine core before its executor")
-    for r in results.values():
-        for rows in (r["phases_warm"], r["phases_none"]):
-            for row in rows:
-                if all(k in row for k in merge):
-                    row["config + engine core up to its executor"] = row.pop(merge[0]) + row.pop(merge[1])
-    lines = [f"Recovery, {time.strftime('%Y-%m-%d', time.localtime(path.stat().st_mtime))}: demo model on CPU, one run on one machine", ""]
+def write_report(results: dict, out: Path, day: str) -> str:
+    """``recovery.md`` from a run's results (TP -> measurements); returns its text."""
+    lines = [f"Recovery, {day}: demo model on CPU, one run on one machine", ""]
     for tp, r in results.items():
         lines += report(int(tp), r)
     text = "\n".join(lines)
     (out / "recovery.md").write_text(text)
-    path.write_text(json.dumps(results, indent=2))
     return text
 
 
@@ -279,8 +261,9 @@ def main() -> int:
     parser.add_argument("--render", type=Path, help="re-render a saved recovery.json into --out")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.render:
-        print(render(args.render, args.out))
+    if args.render:  # a saved run's recovery.json
+        day = time.strftime("%Y-%m-%d", time.localtime(args.render.stat().st_mtime))
+        print(write_report(json.loads(args.render.read_text()), args.out, day))
         return 0
     work = Path(tempfile.mkdtemp(prefix="bench-recovery-"))
     head = RayHead(num_cpus=2).start()
@@ -294,13 +277,8 @@ def main() -> int:
     finally:
         inject.disconnect()
         head.stop()
-    lines = [f"Recovery, {time.strftime('%Y-%m-%d')}: demo model on CPU, one run on one machine", ""]
-    for tp, r in results.items():
-        lines += report(tp, r)
-    text = "\n".join(lines)
-    (args.out / "recovery.md").write_text(text)
     (args.out / "recovery.json").write_text(json.dumps(results, indent=2))
-    print(text)
+    print(write_report(results, args.out, time.strftime("%Y-%m-%d")))
     return 0
 
 

@@ -93,14 +93,10 @@ def start(preload: list[str] | None = None) -> float:
 def pid() -> int | None:
     """The fork server's pid while it runs, else None. Never reaps it: a dead server stays a
     zombie until ``start()`` (``ensure_running``) reaps and replaces it."""
+    from executor.engine import running  # executor.engine imports this module
+
     p = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
-    if p is None:
-        return None
-    try:
-        with open(f"/proc/{p}/stat", "rb") as fh:
-            return None if fh.read().rsplit(b")", 1)[1].split()[0] == b"Z" else p
-    except OSError:
-        return None
+    return p if p is not None and running(p) else None
 
 
 def stop(timeout_s: float = 5.0) -> None:

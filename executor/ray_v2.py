@@ -80,8 +80,7 @@ class SupervisedRayExecutor(DeathReporter, _v2.RayExecutorV2):
         )
         # One machine-readable line for bench.recovery's phase table (wall-clock times).
         logger.info("executor timing %s", json.dumps({
-            "generation": self._generation, "process_start_unix": _process_start_unix(),
-            "executor_start_unix": started, "executor_s": time.time() - started, "adopted": sorted(self.adopted)}))
+            "generation": self._generation, "executor_start_unix": started, "executor_s": time.time() - started, "adopted": sorted(self.adopted)}))
 
     def _supervisor_config(self) -> dict:
         from executor.events import ADDITIONAL_CONFIG_KEY
@@ -191,15 +190,6 @@ class SupervisedRayExecutor(DeathReporter, _v2.RayExecutorV2):
             if shm is not None:
                 names.append(shm.name)
         return names
-
-
-def _process_start_unix() -> float:
-    """When this process (the engine core) started, in Unix time (from /proc)."""
-    with open("/proc/self/stat", "rb") as fh:
-        start_ticks = int(fh.read().rsplit(b")", 1)[1].split()[19])
-    with open("/proc/stat", "rb") as fh:
-        boot = next(int(line.split()[1]) for line in fh if line.startswith(b"btime"))
-    return boot + start_ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _unlink_shm(names: list[str]) -> None:

@@ -18,15 +18,6 @@ from supervisor.generation import Generation
 log = logs.get_logger("vllm_supervisor.builder")
 
 
-def _alive(pid: int) -> bool:
-    """Running (not a zombie), from /proc."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            return fh.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except OSError:
-        return False
-
-
 class EngineBuilder:
     def __init__(self, settings: Settings, engine_args: Any, daemon_id: str, event_endpoint: str):
         self.settings = settings
@@ -187,7 +178,7 @@ class EngineBuilder:
         return new_detokenizer(tokenizer, prompt_token_ids, params, request_id)
 
     def teardown(self, gen: Generation) -> None:
-        from executor.engine import engine_core_pids, engine_worker_pids, kill_pids, shutdown_engine
+        from executor.engine import engine_core_pids, engine_worker_pids, kill_pids, running, shutdown_engine
         from executor.shm import sweep, vllm_segments
 
         started = time.monotonic()
@@ -202,7 +193,7 @@ class EngineBuilder:
             log.exception("engine shutdown raised", engine_generation=gen.number)
         # vLLM signals only an engine core it believes alive: one whose fork server died looks
         # dead (its exit status came through the server) and is still running.
-        stray_cores = kill_pids([p for p in cores if _alive(p)])
+        stray_cores = kill_pids([p for p in cores if running(p)])
         killed = self.kill_actors(gen.instance_id) if self.cluster else kill_pids(local_workers)
         # Killed workers may take a moment to exit and unmap their rings.
         removed: list[str] = []

@@ -12,12 +12,17 @@ from supervisor.states import State
 from tests.unit.test_supervisor_fake_engine import FakeSupervisor, collect, reference, run, settings, wait_for
 
 
+async def started_with_standby(tmp_path):
+    """A fake daemon whose first engine serves and whose standby is ready: (daemon, builder, owner task)."""
+    sup = FakeSupervisor(settings(tmp_path))
+    owner = asyncio.create_task(sup.run())
+    await wait_for(lambda: sup.standby.state is StandbyState.READY)
+    return sup, sup.builder, owner
+
+
 def test_standby_is_prepared_adopted_and_prepared_again(tmp_path):
     async def scenario():
-        sup = FakeSupervisor(settings(tmp_path))
-        b = sup.builder
-        owner = asyncio.create_task(sup.run())
-        await wait_for(lambda: sup.standby.state is StandbyState.READY)
+        sup, b, owner = await started_with_standby(tmp_path)
         assert b.claims[0] == (1, {"namespace": None, "forkserver": False})  # the first start is cold
         assert sup.standby.generation == 2 and b.forkserver_up
         assert sup.status()["standby"]["workers"][0]["state"] == "ALIVE"
@@ -43,10 +48,7 @@ def test_standby_is_prepared_adopted_and_prepared_again(tmp_path):
 
 def test_dead_standby_is_replaced_without_a_recovery(tmp_path):
     async def scenario():
-        sup = FakeSupervisor(settings(tmp_path))
-        b = sup.builder
-        owner = asyncio.create_task(sup.run())
-        await wait_for(lambda: sup.standby.state is StandbyState.READY)
+        sup, b, owner = await started_with_standby(tmp_path)
         b.actor_states[b.standby_made[0]["actor_id"]] = "DEAD"  # the standby actor dies
         await wait_for(lambda: sup.standby.replacements == 1 and sup.standby.state is StandbyState.READY, 10)
         assert len(b.standby_made) == 2 and sup.standby.workers[0]["actor_id"] == b.standby_made[1]["actor_id"]
@@ -65,10 +67,7 @@ def test_ray_error_while_watching_makes_it_unavailable_then_ready_again(tmp_path
     monkeypatch.setattr(standby_module, "RETRY_S", (0.05, 0.1))
 
     async def scenario():
-        sup = FakeSupervisor(settings(tmp_path))
-        b = sup.builder
-        owner = asyncio.create_task(sup.run())
-        await wait_for(lambda: sup.standby.state is StandbyState.READY)
+        sup, b, owner = await started_with_standby(tmp_path)
         real, calls = b.standby_states, []
 
         def flaky(workers):
@@ -88,10 +87,7 @@ def test_ray_error_while_watching_makes_it_unavailable_then_ready_again(tmp_path
 
 def test_a_failed_build_falls_back_to_a_cold_one(tmp_path):
     async def scenario():
-        sup = FakeSupervisor(settings(tmp_path))
-        b = sup.builder
-        owner = asyncio.create_task(sup.run())
-        await wait_for(lambda: sup.standby.state is StandbyState.READY)
+        sup, b, owner = await started_with_standby(tmp_path)
         b.build_failures = 1  # the build that adopts the standby fails
         sup.engines[0].die()
         sup.post(EngineFailed(1, "worker_death", "rank 0 killed"))
