@@ -85,10 +85,10 @@ class Daemon:
     live_markers: set[str] = set()  # of the daemons this process started and that still run
 
     def __init__(self, workdir: Path, config: dict[str, dict[str, Any]], env: dict[str, str] | None = None,
-                 shared_data_dir: bool = True, args: tuple[str, ...] = ()):
+                 shared_data_dir: bool = True, args: tuple[str, ...] = (), port: int | None = None):
         self.workdir = workdir
         self.args = list(args)  # more `vllm-supervisor serve` flags (vLLM's or ours)
-        self.port = free_port()
+        self.port = port or free_port()  # a port again: the daemon that follows a crashed one
         self.marker = uuid.uuid4().hex
         config = {k: dict(v) for k, v in config.items()}
         config.setdefault("server", {}).update(port=self.port, host="127.0.0.1")
@@ -100,6 +100,7 @@ class Daemon:
         self.env = dict(inherited, **(env or {}), **{MARKER_ENV: self.marker})
         self.proc: subprocess.Popen | None = None
         self.shm_before: set[str] = set()
+        self.seen: set[tuple[int, int]] = set()  # (pid, start time) of every descendant seen
         self.base_url = f"http://127.0.0.1:{self.port}"
 
     def start(self) -> "Daemon":
@@ -111,6 +112,24 @@ class Daemon:
             stdout=self._log, stderr=subprocess.STDOUT, env=self.env, cwd=self.workdir,
         )
         return self
+
+    def remember(self) -> set[tuple[int, int]]:
+        """Record the daemon's live descendants. The marker in the environment does not find
+        them all: ``setproctitle`` (Ray's agents, vLLM's engine core) overwrites it."""
+        from executor.reaper import descendants
+
+        if self.proc is not None and self.proc.poll() is None:
+            self.seen |= descendants(self.proc.pid)
+        return self.seen
+
+    def leftover_pids(self) -> list[int]:
+        """Descendants seen earlier or marked, still running (same pid and start time)."""
+        from executor.reaper import process_table
+
+        table = process_table()
+        alive = {pid for pid, st in self.seen if table.get(pid, (0, None))[1] == st}
+        alive |= set(marked_pids(self.marker))
+        return sorted(alive - ({self.proc.pid} if self.proc.poll() is None else set()))
 
     def get(self, path: str, **kw) -> httpx.Response:
         return httpx.get(self.base_url + path, timeout=kw.pop("timeout", 30), **kw)
@@ -129,6 +148,7 @@ class Daemon:
             try:
                 r = self.get("/readyz", timeout=2)
                 if r.status_code == 200:
+                    self.remember()
                     return r.json()
             except httpx.HTTPError:
                 pass
@@ -139,6 +159,7 @@ class Daemon:
         """Send ``sig``; return (exit code, seconds to exit)."""
         started = time.monotonic()
         if self.proc.poll() is None:
+            self.remember()
             self.proc.send_signal(sig)
         try:
             code = self.proc.wait(timeout_s)
@@ -175,6 +196,7 @@ class Daemon:
             s = self.status()
             sb = s["standby"]
             if sb["state"] == state and all(sb.get(k) == v for k, v in more.items()):
+                self.remember()
                 return s
             time.sleep(0.3)
         raise AssertionError(f"standby not {state} {more} within {timeout_s} s: {self.status()['standby']}\n{self.tail()}")
@@ -185,6 +207,7 @@ class Daemon:
         while time.monotonic() < deadline:
             s = self.status()
             if s["state"] == "ready" and s["generation"] >= generation:
+                self.remember()
                 return s
             if s["state"] in ("failed", "stopped"):
                 break
@@ -196,16 +219,31 @@ class Daemon:
         then remove the shared memory they created (a SIGKILLed daemon cannot)."""
         from executor.shm import sweep
 
-        for pid in [self.proc.pid, *marked_pids(self.marker)]:
+        self.remember()
+        for pid in [self.proc.pid, *self.leftover_pids()]:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         self.proc.wait(10)
         deadline = time.monotonic() + 10
-        while marked_pids(self.marker) and time.monotonic() < deadline:
+        while self.leftover_pids() and time.monotonic() < deadline:
             time.sleep(0.2)
         sweep(self.new_segments())
+
+    @property
+    def daemon_id(self) -> str:
+        """The daemon's id (its actor and placement-group names start with it), from its log."""
+        for line in self.log_lines():
+            if line.get("event") == "building engine":
+                return line["instance_id"].rsplit("-g", 1)[0]
+        raise AssertionError("no engine build logged yet")
+
+    def run_record(self) -> Path:
+        """The daemon's run record (``supervisor/crashrecord.py``)."""
+        from supervisor.crashrecord import record_path
+
+        return record_path(data_dir(), self.port)
 
     def log_lines(self) -> list[dict]:
         out = []
@@ -234,7 +272,7 @@ class Daemon:
         """No descendant processes and no new shared-memory segments of ours remain."""
         deadline = time.monotonic() + settle_s
         while True:
-            pids = marked_pids(self.marker)
+            pids = self.leftover_pids()
             shm = self.new_segments()
             if not pids and not shm:
                 return
@@ -294,11 +332,12 @@ class RayHead:
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     def stop(self) -> None:
-        for pid in marked_pids(self.marker):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        from executor.reaper import reap, start_time
+
+        # The agents the raylet starts overwrite their environment (setproctitle): found
+        # as the marked processes' descendants.
+        marked = marked_pids(self.marker)
+        reap({(pid, st) for pid in marked if (st := start_time(pid)) is not None})
         deadline = time.monotonic() + 20
         while marked_pids(self.marker) and time.monotonic() < deadline:
             time.sleep(0.2)

@@ -107,6 +107,29 @@ class RayCluster:
         except Exception:  # already removed, or the cluster is gone
             pass
 
+    @classmethod
+    def remove_leftovers(cls, daemon_id: str) -> dict[str, list[str]]:
+        """Remove what a crashed daemon ``daemon_id`` left on this cluster: its placement
+        group (``<id>-pg``) and its named actors (workers, standbys, bundle claims). Ray
+        frees a dead driver's own actors and groups itself; the engine core's workers belong
+        to another job, and a cluster may not have noticed the death yet."""
+        from ray.util.placement_group import PlacementGroup
+        from ray._raylet import PlacementGroupID
+
+        groups = []
+        for pg_id, info in ray.util.placement_group_table().items():
+            if info.get("name") == f"{daemon_id}-pg" and info.get("state") not in ("REMOVED", None):
+                remove_placement_group(PlacementGroup(PlacementGroupID.from_hex(pg_id)))
+                groups.append(pg_id)
+        actors = []
+        for namespace, name in cls.actors_named(f"_{daemon_id}-g"):
+            try:
+                ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
+                actors.append(name)
+            except ValueError:
+                pass
+        return {"placement_groups": groups, "actors": actors}
+
     # --- actors --------------------------------------------------------------------
 
     @staticmethod

@@ -29,6 +29,7 @@ class EngineBuilder:
         self.model_path = ""
         self.served_model_name = ""
         self._shm_before_build: set[str] = set()
+        self.predecessor_id = ""  # a crashed daemon's id whose Ray leftovers to remove (crashrecord)
 
     @property
     def world_size(self) -> int:
@@ -64,6 +65,10 @@ class EngineBuilder:
         self.cluster = RayCluster(self.settings.ray)
         address = self.cluster.connect()
         log.info("ray connected", address=address, local=self.cluster.started_local)
+        if self.predecessor_id:
+            removed = self.cluster.remove_leftovers(self.predecessor_id)
+            log.warning("removed a crashed predecessor's Ray leftovers", predecessor_id=self.predecessor_id, **removed)
+            self.predecessor_id = ""
 
     def ensure_placement_group(self) -> None:
         """Reuse the placement group while all its bundles are placed, else re-create it."""

@@ -156,13 +156,38 @@ async def _serve(settings: Settings, engine_args: Any, reload: Any = None) -> in
     except OSError as exc:
         print(f"error: cannot listen on {engine_args.uds or f'{engine_args.host}:{engine_args.port}'}: {exc}", file=sys.stderr)
         return EXIT_UNAVAILABLE
+    record = _crash_only_start(settings, engine_args, sup, control)
     http = asyncio.create_task(front.serve())
     try:
         code = await sup.run()
     finally:
         await front.stop()
         await http
+    record.close_clean()  # not reached when the daemon crashes: the reaper cleans then
     return code
+
+
+def _crash_only_start(settings: Settings, engine_args: Any, sup: Any, control: str) -> Any:
+    """Clean what a crashed predecessor on this port left, start our reaper, write our record
+    (``supervisor/crashrecord.py``)."""
+    import hashlib
+
+    from supervisor import crashrecord, logs
+
+    key = f"uds-{hashlib.sha1(engine_args.uds.encode()).hexdigest()[:10]}" if engine_args.uds else engine_args.port
+    record = crashrecord.RunRecord(crashrecord.record_path(settings.supervisor.data_dir, key))
+    pred = crashrecord.read_predecessor(record.path)
+    if pred is not None:
+        cleaned = crashrecord.clean_local(pred, record.path)
+        same_cluster = bool(pred.ray_address) and pred.ray_address == settings.ray.address
+        sup.builder.predecessor_id = pred.daemon_id if same_cluster else ""
+        logs.get_logger("vllm_supervisor.cli").warning(
+            "the previous daemon on this port did not stop cleanly: cleaned what it left",
+            predecessor_pid=pred.pid, predecessor_id=pred.daemon_id, **cleaned,
+            ray_leftovers="removed after Ray connects" if same_cluster else "none (its private cluster went with it)")
+    record.start_reaper()
+    record.write(sup.daemon_id, settings.ray.address, control)
+    return record
 
 
 if __name__ == "__main__":

@@ -29,6 +29,18 @@ def socket_path(configured: str = "", port: int = 8000) -> str:
     return f"/tmp/vllm-supervisor-{port}.sock"
 
 
+def socket_answers(path: str) -> bool:
+    """Whether a process listens on the Unix socket ``path`` (a stale file refuses)."""
+    import socket
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        try:
+            s.connect(path)
+            return True
+        except OSError:
+            return False
+
+
 def parse_request(raw: bytes) -> tuple[str, dict[str, Any]]:
     """Validate one request; raises ValueError with a message for the client."""
     try:
@@ -60,8 +72,11 @@ async def serve_control(path: str, status: Any, submit: Any) -> None:
     from supervisor import aio, logs
 
     log = logs.get_logger("vllm_supervisor.control")
+    if Path(path).exists() and socket_answers(path):
+        log.error("control socket in use by another process; not taking it over", path=path)
+        return
     sock = zmq.asyncio.Context.instance().socket(zmq.REP)
-    Path(path).unlink(missing_ok=True)
+    Path(path).unlink(missing_ok=True)  # stale: its daemon is gone
     old_umask = os.umask(0o077)
     try:
         sock.bind(f"ipc://{path}")

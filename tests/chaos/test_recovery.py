@@ -26,13 +26,13 @@ FAST_PROBES = {"probe_interval_s": 1.0, "hang_timeout_s": 6.0, "probe_timeout_s"
                "restart_backoff_initial_s": 0.2}
 
 
-def start_daemon(workdir, ray_head, tp: int, **supervisor) -> Daemon:
+def start_daemon(workdir, ray_head, tp: int, port: int | None = None, **supervisor) -> Daemon:
     config = {
         "engine": {"tensor_parallel_size": tp, "max_model_len": 1024},
         "ray": {"address": ray_head.address},
         "supervisor": {**FAST_PROBES, **supervisor},
     }
-    return Daemon(workdir, config, env={"RAY_AUTH_MODE": "token"}).start()
+    return Daemon(workdir, config, env={"RAY_AUTH_MODE": "token"}, port=port).start()
 
 
 def wait_state(daemon: Daemon, state: str, timeout_s: float = 240) -> dict:

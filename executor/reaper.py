@@ -1,0 +1,199 @@
+"""The crash reaper: a small process that outlives the daemon by design.
+
+A daemon killed with SIGKILL (an OOM kill, a crash, ``kill -9``) runs no clean-up. Ray's
+head processes die with it (Ray gives them a parent-death signal), but what *they* started
+does not: the DashboardAgent and RuntimeEnvAgent of the private cluster stayed for more than
+45 s, and the vLLM rings in ``/dev/shm`` stayed for good.
+
+The daemon starts this module first (``python -m executor.reaper``; stdlib only, ≈ 10 MiB)
+with a pipe on its stdin. While the daemon lives, the reaper snapshots the daemon's process
+tree every ``SNAPSHOT_S`` (pid and start time, so a reused pid is never mistaken for ours)
+and writes it to ``--pids-file``. A clean stop writes ``clean`` down the pipe before the
+daemon exits. End of file without it means the daemon died: the reaper SIGKILLs every
+process of the last snapshot that still runs, and their children (an orphan's parent may
+already be gone), removes vLLM's ``/dev/shm`` segments created since the daemon started that no process maps
+any more, and exits.
+
+The same ``reap`` serves the next daemon's start when the reaper itself was killed too
+(``supervisor/crashrecord.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import signal
+import sys
+import time
+from pathlib import Path
+
+from executor.shm import SHM_DIR, sweep, vllm_segments
+
+SNAPSHOT_S = 0.5
+Proc = tuple[int, int]  # (pid, start time in clock ticks since boot)
+
+
+def process_table() -> dict[int, tuple[int, int]]:
+    """``pid -> (ppid, start time)`` of every live process we can read (zombies excluded)."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as fh:
+                fields = fh.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] not in (b"Z", b"X"):
+            table[int(entry)] = (int(fields[1]), int(fields[19]))
+    return table
+
+
+def start_time(pid: int) -> int | None:
+    """Start time of a live process (None: gone or a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            fields = fh.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] in (b"Z", b"X") else int(fields[19])
+
+
+def descendants(root: int, table: dict[int, tuple[int, int]] | None = None) -> set[Proc]:
+    """(pid, start time) of every live descendant of ``root``."""
+    table = process_table() if table is None else table
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    out: set[Proc] = set()
+    todo = list(children.get(root, ()))
+    while todo:
+        pid = todo.pop()
+        out.add((pid, table[pid][1]))
+        todo += children.get(pid, ())
+    return out
+
+
+def reap(known: set[Proc], rounds: int = 10, pause_s: float = 0.2, spare: set[int] = frozenset()) -> list[int]:
+    """SIGKILL every process of ``known`` that still runs (same pid *and* start time) and
+    every descendant of those; repeated until none is left (children forked meanwhile).
+    Returns the pids killed."""
+    killed: list[int] = []
+    targets = set(known)
+    for _ in range(rounds):
+        table = process_table()
+        alive = {pid for pid, st in targets if table.get(pid, (0, None))[1] == st and pid not in spare}
+        for pid in list(alive):
+            alive |= {p for p, _ in descendants(pid, table)} - spare
+        if not alive:
+            break
+        for pid in alive:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            except (ProcessLookupError, PermissionError):
+                pass
+        targets |= {(pid, table[pid][1]) for pid in alive if pid in table}
+        time.sleep(pause_s)
+    return sorted(set(killed))
+
+
+def sweep_when_unmapped(candidates: set[str], wait_s: float = 10.0) -> list[str]:
+    """Remove the candidate segments once no process maps them (killed processes unmap as
+    they exit); returns the removed names."""
+    removed: list[str] = []
+    deadline = time.monotonic() + wait_s
+    while True:
+        removed += sweep(candidates & vllm_segments())
+        if not (candidates & vllm_segments()) or time.monotonic() > deadline:
+            return removed
+        time.sleep(0.2)
+
+
+def started_at(pid: int) -> float:
+    """Wall-clock start of ``pid`` (boot time + its start time in clock ticks)."""
+    with open("/proc/stat") as fh:
+        btime = next(int(line.split()[1]) for line in fh if line.startswith("btime"))
+    return btime + (start_time(pid) or 0) / os.sysconf("SC_CLK_TCK")
+
+
+def segments_since(when: float) -> set[str]:
+    """vLLM's segments created at or after ``when`` (wall clock; one-second slack: btime is
+    whole seconds)."""
+    out = set()
+    for name in vllm_segments():
+        try:
+            if os.stat(SHM_DIR / name).st_ctime >= when - 1.0:
+                out.add(name)
+        except FileNotFoundError:
+            pass
+    return out
+
+
+def write_pids(path: Path | None, procs: set[Proc]) -> None:
+    if path is None:
+        return
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(sorted(procs)))
+    os.replace(tmp, path)
+
+
+def read_pids(path: Path) -> set[Proc]:
+    try:
+        return {(int(p), int(s)) for p, s in json.loads(path.read_text())}
+    except (OSError, ValueError, TypeError):
+        return set()
+
+
+def watch(daemon_pid: int, pids_file: Path | None, stream=None) -> dict:
+    """Snapshot the daemon's tree until its pipe closes; reap if it closed without ``clean``."""
+    stream = stream or sys.stdin.buffer
+    daemon_started = started_at(daemon_pid)
+    seen: set[Proc] = set()
+    clean = False
+    me = os.getpid()
+    while True:
+        table = process_table()
+        now = descendants(daemon_pid, table) - {(me, table.get(me, (0, 0))[1])}
+        if now - seen:
+            seen = {p for p in seen if table.get(p[0], (0, None))[1] == p[1]} | now
+            write_pids(pids_file, seen)
+        ready, _, _ = select.select([stream], [], [], SNAPSHOT_S)
+        if ready:
+            line = stream.readline()
+            if not line:
+                break
+            clean = clean or line.strip() == b"clean"
+    if clean:
+        if pids_file is not None:
+            pids_file.unlink(missing_ok=True)
+        return {"clean": True}
+    started = time.monotonic()
+    killed = reap(seen, spare={me})
+    removed = sweep_when_unmapped(segments_since(daemon_started))
+    if pids_file is not None:
+        pids_file.unlink(missing_ok=True)
+    return {"clean": False, "killed": killed, "shm_removed": removed, "took_s": round(time.monotonic() - started, 2)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m executor.reaper")
+    parser.add_argument("--pid", type=int, required=True, help="the daemon's pid")
+    parser.add_argument("--pids-file", type=Path, help="where to keep the snapshot of the daemon's processes")
+    args = parser.parse_args(argv)
+    # A terminal's Ctrl-C reaches the whole foreground process group: the daemon drains and
+    # says "clean"; the reaper must not go first. SIGHUP is the daemon's reload.
+    for signum in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
+    result = watch(args.pid, args.pids_file)
+    if not result["clean"]:
+        record = {"time": time.time(), "level": "warning", "logger": "vllm_supervisor.reaper",
+                  "event": "daemon died: its processes and shared memory reaped", "daemon_pid": args.pid, **result}
+        print(json.dumps(record), file=sys.stderr, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""The crash reaper and the run record, on real processes (no Ray, no vLLM): a stand-in
+daemon starts the reaper exactly as the daemon does, forks a process tree and leaves a
+``/dev/shm`` segment; SIGKILL of the stand-in must take all of it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from executor.reaper import descendants, process_table, read_pids, reap, start_time
+from supervisor import crashrecord
+
+ROOT = Path(__file__).resolve().parents[2]
+
+STAND_IN = textwrap.dedent("""
+    import os, subprocess, sys, time
+    from pathlib import Path
+    from supervisor.crashrecord import RunRecord
+    record = RunRecord(Path(sys.argv[1]))
+    record.start_reaper()
+    record.write("vsup-test", "", "")
+    # a child with its own child, and one that renames itself (no environment marker to find)
+    child = subprocess.Popen([sys.executable, "-c", "import subprocess, time; subprocess.Popen(['sleep', '300']); time.sleep(300)"])
+    subprocess.Popen(["sleep", "301"])
+    Path("/dev/shm/" + sys.argv[2]).write_bytes(b"ring")
+    print("up", flush=True)
+    if sys.argv[3] == "clean":
+        sys.stdin.readline()
+        record.close_clean()
+        print("closed", flush=True)
+    time.sleep(300)
+""")
+
+
+def wait_for(predicate, timeout_s: float = 15.0, what: str = ""):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def start_stand_in(tmp_path: Path, mode: str):
+    segment = f"psm_reapertest{uuid.uuid4().hex[:8]}"
+    record = tmp_path / "run" / "daemon-test-1.json"
+    proc = subprocess.Popen([sys.executable, "-c", STAND_IN, str(record), segment, mode], cwd=ROOT,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert proc.stdout.readline().strip() == b"up"
+    # 1 child + its sleep + 1 sleep (not the reaper itself), snapshotted into the pids file
+    wait_for(lambda: len(read_pids(crashrecord.pids_path(record))) >= 3, what="the reaper's snapshot")
+    return proc, record, segment
+
+
+def test_sigkill_of_the_daemon_takes_its_process_tree_and_shared_memory(tmp_path):
+    proc, record, segment = start_stand_in(tmp_path, "crash")
+    tree = descendants(proc.pid)
+    assert len(tree) == 4
+    proc.kill()
+    proc.wait()
+    wait_for(lambda: all(start_time(pid) != st for pid, st in tree), what="the tree to be reaped")
+    wait_for(lambda: not Path("/dev/shm", segment).exists(), what="the segment to be removed")
+    wait_for(lambda: not crashrecord.pids_path(record).exists(), what="the pids file to go")
+    # the record stays: the next daemon on this port sees that its predecessor crashed
+    assert crashrecord.read_predecessor(record).pid == proc.pid
+
+
+def test_a_clean_stop_leaves_everything_to_the_daemon(tmp_path):
+    proc, record, segment = start_stand_in(tmp_path, "clean")
+    tree = descendants(proc.pid)
+    try:
+        proc.stdin.write(b"go\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == b"closed"
+        assert not record.exists() and not crashrecord.pids_path(record).exists()
+        time.sleep(1.0)
+        alive = [pid for pid, st in tree if start_time(pid) == st]
+        assert len(alive) == 3  # the reaper exited; the daemon's own children untouched
+        assert Path("/dev/shm", segment).exists()
+    finally:
+        proc.kill()
+        reap(tree)
+        Path("/dev/shm", segment).unlink(missing_ok=True)
+
+
+def test_the_next_start_reaps_what_a_dead_reaper_could_not(tmp_path):
+    """Both the daemon and its reaper killed (an OOM kill of the whole group): the successor
+    kills the tree from the pids file, removes stale segments and a stale control socket."""
+    proc, record, segment = start_stand_in(tmp_path, "crash")
+    tree = descendants(proc.pid)
+    reaper = json.loads(record.read_text())["reaper_pid"]
+    os.kill(reaper, signal.SIGKILL)
+    proc.kill()
+    proc.wait()
+    sock_path = tmp_path / "control.sock"
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(sock_path))  # bound, never listening again: stale
+    data = json.loads(record.read_text())
+    record.write_text(json.dumps(dict(data, control_socket=str(sock_path))))
+    os.utime(Path("/dev/shm", segment), (time.time() - 60, time.time() - 60))
+    pred = crashrecord.read_predecessor(record)
+    assert pred is not None and pred.daemon_id == "vsup-test"
+    cleaned = crashrecord.clean_local(pred, record)
+    try:
+        assert len(cleaned["processes_killed"]) == 3
+        assert segment in cleaned["shm_removed"] and cleaned["control_socket_removed"]
+        wait_for(lambda: all(start_time(pid) != st for pid, st in tree), what="the tree to be reaped")
+    finally:
+        reap(tree)
+        Path("/dev/shm", segment).unlink(missing_ok=True)
+
+
+def test_a_live_predecessor_or_a_foreign_record_is_left_alone(tmp_path):
+    record = tmp_path / "daemon.json"
+    record.write_text(json.dumps({"pid": os.getpid(), "start_time": start_time(os.getpid()), "daemon_id": "me"}))
+    os.chmod(record, 0o600)
+    assert crashrecord.read_predecessor(record) is None  # alive: not ours to clean
+    record.write_text(json.dumps({"pid": os.getpid(), "start_time": 1, "daemon_id": "old"}))
+    assert crashrecord.read_predecessor(record).daemon_id == "old"  # same pid, other start time: reused pid
+    os.chmod(record, 0o666)
+    assert crashrecord.read_predecessor(record) is None  # others may write it: not trusted
+    os.chmod(record, 0o600)
+    record.write_text("{not json")
+    assert crashrecord.read_predecessor(record) is None
+    assert crashrecord.read_predecessor(tmp_path / "absent.json") is None
+
+
+def test_reap_never_kills_a_reused_pid():
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+        assert reap({(sleeper.pid, start_time(sleeper.pid) + 1)}) == []
+        assert sleeper.poll() is None
+        assert reap({(sleeper.pid, start_time(sleeper.pid))}) == [sleeper.pid]
+        assert sleeper.wait(5) == -signal.SIGKILL
+    finally:
+        sleeper.kill()
+
+
+def test_process_table_sees_this_process():
+    assert os.getpid() in process_table()
