@@ -124,7 +124,11 @@ class Settings(_Section):
     supervisor: SupervisorSettings = Field(default_factory=SupervisorSettings)
 
     def to_json(self) -> str:
-        return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True)
+        """The resolved settings, the API key redacted (``check-config`` prints this)."""
+        data = self.model_dump(mode="json")
+        if data["server"]["api_key"]:
+            data["server"]["api_key"] = "<redacted>"
+        return json.dumps(data, indent=2, sort_keys=True)
 
 
 # ---------------------------------------------------------------------------

@@ -98,11 +98,17 @@ class Front:
         log_config = get_uvicorn_log_config(a)
         if log_config is not None:
             kwargs["log_config"] = log_config
+        from vllm import envs
+
         config = uvicorn.Config(
             self, lifespan="off", log_level=a.uvicorn_log_level,
-            access_log=not a.disable_uvicorn_access_log, timeout_keep_alive=5, timeout_graceful_shutdown=5,
+            access_log=not a.disable_uvicorn_access_log, timeout_keep_alive=envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE,
+            timeout_graceful_shutdown=5,
             ssl_keyfile=a.ssl_keyfile, ssl_certfile=a.ssl_certfile, ssl_ca_certs=a.ssl_ca_certs,
             ssl_cert_reqs=a.ssl_cert_reqs, **({"ssl_ciphers": a.ssl_ciphers} if a.ssl_ciphers else {}), **kwargs)
+        # vllm serve's header limits (--h11-max-incomplete-event-size, --h11-max-header-count)
+        config.h11_max_incomplete_event_size = a.h11_max_incomplete_event_size
+        config.h11_max_header_count = a.h11_max_header_count
         self.server = _Server(config)
         builder = asyncio.create_task(self._build_when_ready())
         try:

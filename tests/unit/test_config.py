@@ -127,6 +127,13 @@ def test_cli_check_config_prints_resolved(tmp_path):
     assert '"port": 9100' in out.stdout and '"host": "127.0.0.2"' in out.stdout
 
 
+def test_cli_check_config_never_prints_the_api_key(tmp_path):
+    path = write(tmp_path, '[server]\napi_key = "sk-very-secret"\n')
+    out = run_cli("check-config", str(path))
+    assert out.returncode == 0, out.stderr
+    assert "sk-very-secret" not in out.stdout and '"api_key": "<redacted>"' in out.stdout
+
+
 def test_cli_invalid_config_exits_78_before_ray_or_vllm(tmp_path):
     path = write(tmp_path, "[engine]\ntensor_parallel_size = 0\n")
     code = (
