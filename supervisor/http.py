@@ -23,7 +23,7 @@ from typing import Any, Iterator
 import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
-from supervisor import logs
+from supervisor import input_guards, logs
 from supervisor.states import State
 
 log = logs.get_logger("vllm_supervisor.http")
@@ -180,11 +180,15 @@ class Front:
         path = scope["path"]
         if path in _OURS and scope["method"] in ("GET", "HEAD"):
             return await self._ours(path, scope, send)
-        receive = await self._bounded_body(scope, receive, send)
-        if receive is None:
+        bounded = await self._bounded_body(scope, receive, send)
+        if bounded is None:
             return None
+        receive, body = bounded
         if self.app is None:
             return await self._unavailable(send)
+        bad_input = input_guards.check(scope["method"], path, body)
+        if bad_input:
+            return await _respond(send, 400, input_guards.error_body(bad_input), "application/json")
         retry_after = b"30" if self.sup.state in (State.STOPPING, State.STOPPED, State.FAILED) else b"5"
 
         async def send_with_retry_after(message: dict) -> None:
@@ -194,9 +198,10 @@ class Front:
 
         await self.app(scope, receive, send_with_retry_after)
 
-    async def _bounded_body(self, scope: dict, receive: Any, send: Any) -> Any:
+    async def _bounded_body(self, scope: dict, receive: Any, send: Any) -> tuple[Any, bytes] | None:
         """The request body, read whole up to ``--max-body-bytes`` (else 413 and None), then
-        handed on; later ``receive()`` calls reach the client (disconnects stay visible)."""
+        handed on with a ``receive`` whose later calls reach the client (disconnects stay
+        visible)."""
         limit = self.sup.settings.server.max_body_bytes  # per request: a reload applies at once
         headers = dict(scope.get("headers") or [])
         length = headers.get(b"content-length", b"")
@@ -219,12 +224,13 @@ class Front:
                 return None
             if not message.get("more_body"):
                 break
-        replay = [first] if chunks is None else [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+        body = b"".join(chunks or [])
+        replay = [first] if chunks is None else [{"type": "http.request", "body": body, "more_body": False}]
 
         async def bounded_receive() -> dict:
             return replay.pop() if replay else await receive()
 
-        return bounded_receive
+        return bounded_receive, body
 
     async def _unavailable(self, send: Any) -> None:
         sup = self.sup

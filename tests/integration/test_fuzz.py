@@ -1,0 +1,154 @@
+"""The API under generated and hostile input, on the real daemon (demo model, Ray, vLLM).
+
+* ``schemathesis`` drives the daemon's own OpenAPI schema (every operation vLLM's app
+  serves; valid and invalid data, its coverage and fuzzing phases) for ``FUZZ_S`` seconds
+  (``VLLM_SUPERVISOR_FUZZ_S``: 150 in ``make test``, longer in ``make chaos``): no response
+  may be a 5xx. One exception, configured per operation in ``fuzz/schemathesis.toml``:
+  ``/v1/systemone``'s 501 "the model does not support the structured decision API", which
+  is vLLM's deliberate answer for a model without that head, as ``vllm serve`` gives it.
+* Hand-written hostile requests: huge, negative and non-finite numbers, wrong types, invalid
+  UTF-8, empty and oversized bodies, unknown models, prompts longer than the context, a
+  client that sends half a body and vanishes, one that sends it slowly: each gets a 4xx
+  with a message.
+* Afterwards the daemon still serves the fault-free reference text, and its log holds no
+  unhandled exception.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from chaos.harness import BIN, Daemon
+from chaos.load import as_reference, compare, run_with_fault
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+FUZZ_S = int(os.environ.get("VLLM_SUPERVISOR_FUZZ_S", "150"))
+MODEL = "demo-tiny-llama"
+STREAMS, TOKENS = 4, 64
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    with Daemon(tmp_path_factory.mktemp("fuzz"), {"server": {"max_body_bytes": 65536}}).start() as d:
+        d.wait_ready()
+        ref = as_reference(asyncio.run(run_with_fault(d.base_url, STREAMS, TOKENS))[0])
+        yield d, ref
+        code, _ = d.stop()
+        assert code == 0, d.tail()
+        d.assert_nothing_left()
+
+
+def still_serving_exactly(daemon: Daemon, ref: dict) -> None:
+    assert daemon.get("/readyz").status_code == 200, daemon.tail()
+    records, _ = asyncio.run(run_with_fault(daemon.base_url, STREAMS, TOKENS))
+    summary = compare(records, ref)
+    assert summary["failed"] == 0 and summary["mismatched"] == 0, summary
+
+
+def test_schemathesis_finds_no_server_error(daemon, tmp_path):
+    d, ref = daemon
+    report_dir = tmp_path / "report"
+    out = subprocess.run(
+        [str(BIN / "st"), "--config-file", str(ROOT / "fuzz" / "schemathesis.toml"), "run", f"{d.base_url}/openapi.json",
+         "--checks", "not_a_server_error", "--max-time", str(FUZZ_S), "--workers", "1", "--request-timeout", "60",
+         "--seed", "1", "--suppress-health-check", "all", "--report", "json", "--report-dir", str(report_dir),
+         "--no-color"],
+        capture_output=True, text=True, timeout=FUZZ_S + 600, cwd=tmp_path,
+    )
+    report = json.loads(next(report_dir.glob("*.json")).read_text())
+    print("\nschemathesis:", json.dumps({k: report.get(k) for k in ("operations", "test_cases", "failures", "errors")}))
+    assert report["failures"] == [], out.stdout[-6000:]
+    assert out.returncode == 0, out.stdout[-6000:]
+    log = d.log_path.read_text(errors="replace")
+    assert "Exception in ASGI application" not in log, log[log.find("Exception in ASGI application") - 300:][:4000]
+    still_serving_exactly(d, ref)
+
+
+def _post(d: Daemon, path: str, content: bytes, headers: dict | None = None) -> httpx.Response:
+    return httpx.post(d.base_url + path, content=content, timeout=120,
+                      headers={"content-type": "application/json", **(headers or {})})
+
+
+def _message(r: httpx.Response) -> str:
+    try:
+        body = r.json()
+    except ValueError:
+        return r.text
+    err = body.get("error") if isinstance(body, dict) else None
+    return (err.get("message") if isinstance(err, dict) else None) or str(body.get("detail") or err or "")
+
+
+LONG_PROMPT = "word " * 2000  # the demo model's context is 256 tokens
+HOSTILE: list[tuple[str, str, bytes]] = [
+    ("max_tokens negative", "/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": -1}).encode()),
+    ("max_tokens huge", "/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 10**30}).encode()),
+    ("max_tokens past the context", "/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 100000}).encode()),
+    ("temperature NaN", "/v1/completions", b'{"model": "demo-tiny-llama", "prompt": "hi", "temperature": NaN}'),
+    ("top_p Infinity", "/v1/completions", b'{"model": "demo-tiny-llama", "prompt": "hi", "top_p": Infinity}'),
+    ("temperature -1", "/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "temperature": -1}).encode()),
+    ("n zero", "/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "n": 0}).encode()),
+    ("n a billion", "/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "n": 10**9, "max_tokens": 1}).encode()),
+    ("logprobs negative", "/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "logprobs": -5}).encode()),
+    ("prompt a number", "/v1/completions", json.dumps({"model": MODEL, "prompt": 123}).encode()),
+    ("prompt an object", "/v1/completions", json.dumps({"model": MODEL, "prompt": {"a": 1}}).encode()),
+    ("prompt token ids out of vocabulary", "/v1/completions", json.dumps({"model": MODEL, "prompt": [10**9, -4]}).encode()),
+    ("prompt longer than the context", "/v1/completions", json.dumps({"model": MODEL, "prompt": LONG_PROMPT}).encode()),
+    ("chat prompt longer than the context", "/v1/chat/completions",
+     json.dumps({"model": MODEL, "messages": [{"role": "user", "content": LONG_PROMPT}]}).encode()),
+    ("messages a string", "/v1/chat/completions", json.dumps({"model": MODEL, "messages": "hi"}).encode()),
+    ("messages of numbers", "/v1/chat/completions", json.dumps({"model": MODEL, "messages": [1, 2]}).encode()),
+    ("unknown model", "/v1/completions", json.dumps({"model": "gpt-17", "prompt": "hi"}).encode()),
+    ("invalid UTF-8", "/v1/completions", b'{"model": "demo-tiny-llama", "prompt": "\xff\xfe\xfd"}'),
+    ("lone surrogate", "/v1/completions", b'{"model": "demo-tiny-llama", "prompt": "\\udc80"}'),
+    ("empty body", "/v1/completions", b""),
+    ("null body", "/v1/completions", b"null"),
+    ("array body", "/v1/chat/completions", b"[]"),
+    ("truncated JSON", "/v1/completions", b'{"model": "demo-tiny-llama", "prompt": "hi'),
+    ("oversized body", "/v1/completions", json.dumps({"model": MODEL, "prompt": "x" * 100_000}).encode()),
+    ("deeply nested JSON", "/v1/completions", b'{"model": "demo-tiny-llama", "prompt": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"),
+    ("responses: assistant message without content", "/v1/responses", json.dumps(
+        {"model": MODEL, "input": [{"type": "message", "role": "assistant", "content": []}]}).encode()),
+    ("responses: assistant message starting with a refusal", "/v1/responses", json.dumps(
+        {"model": MODEL, "input": [{"type": "message", "role": "assistant", "id": "m", "status": "completed",
+                                    "content": [{"type": "refusal", "refusal": "no"}]}]}).encode()),
+    ("tokenize an object", "/tokenize", json.dumps({"model": MODEL, "prompt": {"x": 1}}).encode()),
+    ("detokenize out-of-vocabulary ids", "/detokenize", json.dumps({"model": MODEL, "tokens": [10**12]}).encode()),
+]
+
+
+@pytest.mark.parametrize("name,path,body", HOSTILE, ids=[h[0] for h in HOSTILE])
+def test_hostile_request_gets_a_4xx_with_a_message(daemon, name, path, body):
+    d, _ = daemon
+    r = _post(d, path, body)
+    assert 400 <= r.status_code < 500, (name, r.status_code, r.text[:500])
+    assert _message(r), (name, r.text[:500])
+
+
+def test_a_client_that_vanishes_or_dawdles_costs_nothing(daemon):
+    d, ref = daemon
+    body = json.dumps({"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    for _ in range(20):  # half a body, then gone
+        with socket.create_connection(("127.0.0.1", d.port)) as s:
+            s.sendall(head + body[: len(body) // 2])
+    with socket.create_connection(("127.0.0.1", d.port), timeout=60) as s:  # a slow one: 1 byte per 50 ms
+        s.sendall(head)
+        for i in range(0, len(body), 8):
+            s.sendall(body[i:i + 8])
+            time.sleep(0.05)
+        reply = s.recv(65536)
+    assert reply.startswith(b"HTTP/1.1 200"), reply[:300]
+    assert d.status()["in_flight"] == 0
+    still_serving_exactly(d, ref)
