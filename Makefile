@@ -32,12 +32,18 @@ test: venv
 unit: venv
 	$(PY) -m pytest tests/unit
 
-# Seeded randomized soak: FAULTS faults under streaming load; report in reports/chaos-report.{md,json}.
-FAULTS ?= 20
-SEED   ?= 7
-TP     ?= 2
+# The long forms (report files in reports/): a seeded soak of FAULTS faults under streaming load
+# (chaos-report.*), STREAMS concurrent clients through three faults (stress-report.*), and the API
+# fuzzed for FUZZ_S seconds.
+FAULTS  ?= 20
+SEED    ?= 7
+TP      ?= 2
+STREAMS ?= 256
+FUZZ_S  ?= 1800
 chaos: venv
 	$(PY) -m chaos.soak --faults $(FAULTS) --seed $(SEED) --tp $(TP) --out reports
+	$(PY) -m chaos.stress --streams $(STREAMS) --out reports
+	VLLM_SUPERVISOR_FUZZ_S=$(FUZZ_S) $(PY) -m pytest -q -s tests/integration/test_fuzz.py
 
 # Benchmarks (tens of minutes): serving overhead vs vllm serve, recovery vs cold start and
 # process restart, and a 50-fault soak with trend plot. Results: bench/results/.

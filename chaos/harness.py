@@ -97,7 +97,8 @@ class Daemon:
         self.config_path = write_toml(workdir / "daemon.toml", config)
         self.log_path = workdir / "daemon.log"
         inherited = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
-        self.env = dict(inherited, **(env or {}), **{MARKER_ENV: self.marker})
+        merged = dict(inherited, **(env or {}), **{MARKER_ENV: self.marker})
+        self.env = {k: v for k, v in merged.items() if v is not None}  # None: unset it
         self.proc: subprocess.Popen | None = None
         self.shm_before: set[str] = set()
         self.seen: set[tuple[int, int]] = set()  # (pid, start time) of every descendant seen

@@ -44,6 +44,7 @@ class RequestRecord:
     started: float = 0.0  # time.monotonic()
     chunk_times: list[float] = field(default_factory=list)
     finish_reason: str | None = None
+    retry_after: str | None = None  # the Retry-After header of an error response
 
     @property
     def key(self) -> tuple:
@@ -96,12 +97,20 @@ async def stream_one(api: openai.AsyncOpenAI, model: str, record: RequestRecord)
         record.outcome = "ok"
     except openai.APIStatusError as exc:
         record.outcome, record.status, record.error = "error", exc.status_code, str(exc)[:500]
+        record.retry_after = exc.response.headers.get("retry-after")
     except Exception as exc:
         record.outcome, record.error = "error", f"{type(exc).__name__}: {exc}"[:500]
     return record
 
 
 async def _read_stream(record: RequestRecord, response: Any, text_of) -> None:
+    try:
+        await _read_chunks(record, response, text_of)
+    finally:  # a cancelled reader hangs up: the connection closes now, not at garbage collection
+        await response.close()
+
+
+async def _read_chunks(record: RequestRecord, response: Any, text_of) -> None:
     async for chunk in response:
         now = time.monotonic()
         if chunk.usage is not None:

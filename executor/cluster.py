@@ -39,6 +39,7 @@ class RayCluster:
         if self.settings.address:
             ray.init(address=self.settings.address, namespace=self.settings.namespace, log_to_driver=False)
         else:
+            private_token()
             ray.init(
                 address="local",  # never attach to another cluster found on this machine
                 namespace=self.settings.namespace,
@@ -165,6 +166,21 @@ class RayCluster:
             except ValueError:  # died meanwhile
                 pass
         return killed
+
+
+def private_token() -> None:
+    """Give the private cluster a token of its own, in this process's environment only.
+
+    Its GCS, raylet and workers listen on every interface (Ray 2.60 binds ``*`` even with
+    ``_node_ip_address=127.0.0.1``) behind Ray's token auth, and without a token Ray writes
+    one to ``~/.ray/auth_token`` with mode 0644: any local user who can enter the home
+    directory could then drive the cluster. A token in the environment is never written to
+    disk; the engine core and Ray's processes inherit it. ``RAY_AUTH_MODE=disabled`` and a
+    token the operator set are left alone."""
+    import secrets
+
+    if os.environ.get("RAY_AUTH_MODE", "token").lower() != "disabled" and not os.environ.get("RAY_AUTH_TOKEN"):
+        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
 
 
 def names_instance(name: str, instance_id: str) -> bool:

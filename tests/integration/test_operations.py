@@ -333,6 +333,16 @@ def test_sigterm_after_operations_leaves_nothing(daemon):
     assert not Path(daemon.socket).exists()
 
 
+def test_the_log_holds_no_api_key_and_no_prompt_text(daemon):
+    """Everything the daemon, vLLM and Ray printed at the default (info) level through this
+    module's requests, restarts, kills and reloads: neither key nor a prompt is in it."""
+    text = daemon.log_path.read_text(errors="replace")
+    assert "building engine" in text and "state transition" in text  # the log is the daemon's
+    assert KEY not in text and "rotated-key" not in text
+    leaked = [p for p in PROMPTS if p in text]
+    assert not leaked, leaked
+
+
 # --- systemd -----------------------------------------------------------------------------
 
 

@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -28,7 +32,8 @@ def home(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory, notify_socket, home):
-    env = {"NOTIFY_SOCKET": notify_socket[0], "WATCHDOG_USEC": "2000000", "HOME": str(home)}
+    # as on a new machine: no Ray token anywhere (the test run's own is not passed on)
+    env = {"NOTIFY_SOCKET": notify_socket[0], "WATCHDOG_USEC": "2000000", "HOME": str(home), "RAY_AUTH_TOKEN": None}
     with Daemon(tmp_path_factory.mktemp("tp1"), {"engine": {"tensor_parallel_size": 1}}, env=env,
                 shared_data_dir=False, args=("--enable-auto-tool-choice", "--tool-call-parser", "hermes")).start() as d:
         d.wait_ready()
@@ -41,6 +46,20 @@ def test_default_data_dir_is_under_home(daemon, home):
     built = home / ".local/share/vllm-supervisor/demo-model-1"
     assert (built / ".demo-model-complete").exists(), sorted(p.name for p in home.rglob("*"))[:20]
     assert not (daemon.workdir / "~").exists()
+
+
+def test_the_private_cluster_token_is_never_written_to_disk(daemon, home):
+    """Ray would write a 0644 ``~/.ray/auth_token`` for a cluster whose ports listen on every
+    interface; the daemon gives its private cluster a token in its environment instead, and
+    a client with another token is refused."""
+    assert not (home / ".ray").exists(), sorted(p.name for p in (home / ".ray").iterdir())
+    address = next(line["address"] for line in daemon.log_lines() if line.get("event") == "ray connected")
+    probe = ("import ray, sys\n"
+             "try:\n    ray.init(address=sys.argv[1], log_to_driver=False)\nexcept Exception as exc:\n"
+             "    print('refused:', type(exc).__name__); sys.exit(3)\nprint('connected')")
+    out = subprocess.run([sys.executable, "-c", probe, address], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64, "HOME": str(home)})
+    assert out.returncode == 3 and "refused" in out.stdout, (out.stdout[-500:], out.stderr[-2000:])
 
 
 @pytest.fixture(scope="module")
