@@ -186,7 +186,11 @@ def _crash_only_start(settings: Settings, engine_args: Any, sup: Any, control: s
             predecessor_pid=pred.pid, predecessor_id=pred.daemon_id, **cleaned,
             ray_leftovers="removed after Ray connects" if same_cluster else "none (its private cluster went with it)")
     record.start_reaper()
-    record.write(sup.daemon_id, settings.ray.address, control)
+    try:
+        record.write(sup.daemon_id, settings.ray.address, control)
+    except OSError as exc:  # e.g. a read-only data_dir with a real model: the reaper still runs
+        logs.get_logger("vllm_supervisor.cli").warning(
+            "cannot write the run record: a crash will not be cleaned by the next start", path=str(record.path), error=str(exc))
     return record
 
 
