@@ -130,7 +130,7 @@ class Daemon:
         table = process_table()
         alive = {pid for pid, st in self.seen if table.get(pid, (0, None))[1] == st}
         alive |= set(marked_pids(self.marker))
-        return sorted(alive - ({self.proc.pid} if self.proc.poll() is None else set()))
+        return sorted(alive - ({self.proc.pid} if self.proc is not None and self.proc.poll() is None else set()))
 
     def get(self, path: str, **kw) -> httpx.Response:
         return httpx.get(self.base_url + path, timeout=kw.pop("timeout", 30), **kw)
@@ -244,7 +244,7 @@ class Daemon:
         """The daemon's run record (``supervisor/crashrecord.py``)."""
         from supervisor.crashrecord import record_path
 
-        return record_path(data_dir(), self.port)
+        return record_path(data_dir(), f"127.0.0.1-{self.port}")
 
     def log_lines(self) -> list[dict]:
         out = []

@@ -76,13 +76,18 @@ class Stress:
     def __init__(self, args: argparse.Namespace, workdir: Path):
         self.args = args
         self.head = RayHead(num_cpus=max(2, args.tp)).start()
+        self.daemon: Daemon | None = None
         config = {
             "engine": {"tensor_parallel_size": args.tp, "max_model_len": 1024},
             "ray": {"address": self.head.address},
             "supervisor": {"max_restarts": 20, "probe_interval_s": 1.0, "hang_timeout_s": 6.0, "probe_timeout_s": 5.0,
                            "restart_backoff_initial_s": 0.2, "admission_queue_size": args.queue},
         }
-        self.daemon = Daemon(workdir, config, env={"RAY_AUTH_MODE": "token"}).start()
+        try:
+            self.daemon = Daemon(workdir, config, env={"RAY_AUTH_MODE": "token"}).start()
+        except BaseException:
+            self.head.stop()
+            raise
         self.api: openai.AsyncOpenAI | None = None
         self.faults: list[dict[str, Any]] = []
         self.bursts: list[RequestRecord] = []
@@ -123,8 +128,9 @@ class Stress:
             sent.append(r)
             await self.one(r, hang_up=first and hangs_up(template))
             first = False
-            if r.status == 503 and r.retry_after:
-                await asyncio.sleep(float(r.retry_after))
+            if r.outcome == "error":  # Retry-After when given in seconds, else a second
+                retry = r.retry_after or ""
+                await asyncio.sleep(float(retry) if retry.replace(".", "", 1).isdigit() else 1.0)
 
     async def burst(self) -> None:
         """The burst at once, while a recovery runs."""
@@ -175,7 +181,10 @@ class Stress:
         daemon's in-flight count must drop by 8 while the other 8 still run."""
         records = specs(16, LENGTHS[-1], offset=3)
         tasks = [asyncio.create_task(stream_one(self.api, "demo-tiny-llama", r)) for r in records]
+        deadline = time.monotonic() + 120
         while not all(len(r.chunk_times) >= HANG_UP_AFTER for r in records):
+            if time.monotonic() > deadline or any(t.done() for t in tasks):
+                raise RuntimeError(f"the hang-up check's streams did not start: {[r.error for r in records if r.error]}")
             await asyncio.sleep(0.05)
         engine_before = await asyncio.to_thread(engine_requests, self.daemon.base_url)
         for t in tasks[:8]:
@@ -221,7 +230,11 @@ class Stress:
             stop = asyncio.Event()
             sent: list[RequestRecord] = []
             clients = [asyncio.create_task(self.client_loop(t, sent, stop)) for t in records]
+            deadline = time.monotonic() + 120
             while sum(len(r.chunk_times) >= 2 for r in sent) < len(records) // 2:
+                if time.monotonic() > deadline:
+                    stop.set()
+                    raise RuntimeError(f"the load did not start: {[r.error for r in sent if r.error][:5]}")
                 await asyncio.sleep(0.05)
             await self.faults_during(sent)
             await asyncio.sleep(self.args.settle_s)  # the last recovery's streams run on
@@ -260,6 +273,11 @@ class Stress:
         }
 
     def close(self) -> dict[str, Any]:
+        if self.daemon.proc.poll() is not None:  # it failed: nothing to stop cleanly
+            self.daemon.kill()
+            self.head.stop()
+            return {"exit_code": self.daemon.proc.returncode, "stop_s": 0, "left_after_stop": "daemon had exited",
+                    "cluster_after_stop": {}}
         code, took = self.daemon.stop(signal.SIGTERM)
         try:
             self.daemon.assert_nothing_left()

@@ -82,11 +82,13 @@ def reap(known: set[Proc], rounds: int = 10, pause_s: float = 0.2, spare: set[in
     Returns the pids killed."""
     killed: list[int] = []
     targets = set(known)
+    spare = set(spare) | {1, os.getpid()}
     for _ in range(rounds):
         table = process_table()
         alive = {pid for pid, st in targets if table.get(pid, (0, None))[1] == st and pid not in spare}
         for pid in list(alive):
             alive |= {p for p, _ in descendants(pid, table)} - spare
+        alive = {pid for pid in alive if _ours(pid)}
         if not alive:
             break
         for pid in alive:
@@ -98,6 +100,16 @@ def reap(known: set[Proc], rounds: int = 10, pause_s: float = 0.2, spare: set[in
         targets |= {(pid, table[pid][1]) for pid in alive if pid in table}
         time.sleep(pause_s)
     return sorted(set(killed))
+
+
+def _ours(pid: int) -> bool:
+    """A process of this user (root may reap anyone's: systemd runs the daemon as its own user)."""
+    if os.getuid() == 0:
+        return True
+    try:
+        return os.stat(f"/proc/{pid}").st_uid == os.getuid()
+    except OSError:
+        return False
 
 
 def sweep_when_unmapped(candidates: set[str], wait_s: float = 10.0) -> list[str]:
@@ -112,32 +124,39 @@ def sweep_when_unmapped(candidates: set[str], wait_s: float = 10.0) -> list[str]
         time.sleep(0.2)
 
 
-def started_at(pid: int) -> float:
-    """Wall-clock start of ``pid`` (boot time + its start time in clock ticks)."""
+def wall_clock(ticks: int) -> float:
+    """Wall-clock time of a process start time in clock ticks since boot."""
     with open("/proc/stat") as fh:
         btime = next(int(line.split()[1]) for line in fh if line.startswith("btime"))
-    return btime + (start_time(pid) or 0) / os.sysconf("SC_CLK_TCK")
+    return btime + ticks / os.sysconf("SC_CLK_TCK")
 
 
 def segments_since(when: float) -> set[str]:
-    """vLLM's segments created at or after ``when`` (wall clock; one-second slack: btime is
-    whole seconds)."""
+    """This user's vLLM segments created at or after ``when`` (wall clock; one-second slack:
+    boot time is whole seconds)."""
     out = set()
     for name in vllm_segments():
         try:
-            if os.stat(SHM_DIR / name).st_ctime >= when - 1.0:
-                out.add(name)
+            st = os.stat(SHM_DIR / name)
         except FileNotFoundError:
-            pass
+            continue
+        if st.st_ctime >= when - 1.0 and st.st_uid == os.getuid():
+            out.add(name)
     return out
 
 
 def write_pids(path: Path | None, procs: set[Proc]) -> None:
+    """Best effort: a snapshot that cannot be written only loses the next start's fallback."""
     if path is None:
         return
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(sorted(procs)))
-    os.replace(tmp, path)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(json.dumps(sorted(procs)))
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
 
 
 def read_pids(path: Path) -> set[Proc]:
@@ -147,10 +166,12 @@ def read_pids(path: Path) -> set[Proc]:
         return set()
 
 
-def watch(daemon_pid: int, pids_file: Path | None, stream=None) -> dict:
-    """Snapshot the daemon's tree until its pipe closes; reap if it closed without ``clean``."""
+def watch(daemon_pid: int, daemon_start: int, pids_file: Path | None, stream=None) -> dict:
+    """Snapshot the daemon's tree until its pipe closes; reap if it closed without ``clean``.
+    ``daemon_start`` is the daemon's start time (ticks) as the daemon read it: the shared
+    memory swept is only what appeared since."""
     stream = stream or sys.stdin.buffer
-    daemon_started = started_at(daemon_pid)
+    daemon_started = wall_clock(daemon_start)
     seen: set[Proc] = set()
     clean = False
     me = os.getpid()
@@ -181,13 +202,18 @@ def watch(daemon_pid: int, pids_file: Path | None, stream=None) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m executor.reaper")
     parser.add_argument("--pid", type=int, required=True, help="the daemon's pid")
+    parser.add_argument("--start-time", type=int, required=True, help="the daemon's start time (clock ticks since boot)")
     parser.add_argument("--pids-file", type=Path, help="where to keep the snapshot of the daemon's processes")
     args = parser.parse_args(argv)
+    if os.getppid() != args.pid or start_time(args.pid) != args.start_time:
+        print(json.dumps({"level": "error", "logger": "vllm_supervisor.reaper", "event": "not started by a live daemon",
+                          "daemon_pid": args.pid}), file=sys.stderr, flush=True)
+        return 2
     # A terminal's Ctrl-C reaches the whole foreground process group: the daemon drains and
     # says "clean"; the reaper must not go first. SIGHUP is the daemon's reload.
     for signum in (signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)
-    result = watch(args.pid, args.pids_file)
+    result = watch(args.pid, args.start_time, args.pids_file)
     if not result["clean"]:
         record = {"time": time.time(), "level": "warning", "logger": "vllm_supervisor.reaper",
                   "event": "daemon died: its processes and shared memory reaped", "daemon_pid": args.pid, **result}

@@ -55,6 +55,6 @@ def sweep(candidates: set[str], shm_dir: Path = SHM_DIR) -> list[str]:
         try:
             (shm_dir / name).unlink()
             removed.append(name)
-        except FileNotFoundError:
+        except (FileNotFoundError, PermissionError):  # gone, or another user's (sticky /dev/shm)
             pass
     return removed

@@ -148,13 +148,18 @@ async def _serve(settings: Settings, engine_args: Any, reload: Any = None) -> in
     from supervisor.daemon import Supervisor
     from supervisor.http import Front
 
-    control = socket_path(settings.supervisor.control_socket, engine_args.port)
+    from supervisor.control import socket_answers
+
+    control = socket_path(settings.supervisor.control_socket, engine_args.port, engine_args.uds or "")
     sup = Supervisor(settings, engine_args, reload_settings=reload, control_socket=control)
     front = Front(sup, engine_args)
     try:
         front.bind()
     except OSError as exc:
         print(f"error: cannot listen on {engine_args.uds or f'{engine_args.host}:{engine_args.port}'}: {exc}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    if socket_answers(control):
+        print(f"error: another daemon answers on the control socket {control} (set --control-socket)", file=sys.stderr)
         return EXIT_UNAVAILABLE
     record = _crash_only_start(settings, engine_args, sup, control)
     http = asyncio.create_task(front.serve())
@@ -170,11 +175,10 @@ async def _serve(settings: Settings, engine_args: Any, reload: Any = None) -> in
 def _crash_only_start(settings: Settings, engine_args: Any, sup: Any, control: str) -> Any:
     """Clean what a crashed predecessor on this port left, start our reaper, write our record
     (``supervisor/crashrecord.py``)."""
-    import hashlib
-
     from supervisor import crashrecord, logs
+    from supervisor.control import uds_key
 
-    key = f"uds-{hashlib.sha1(engine_args.uds.encode()).hexdigest()[:10]}" if engine_args.uds else engine_args.port
+    key = uds_key(engine_args.uds) if engine_args.uds else f"{engine_args.host or 'any'}-{engine_args.port}"
     record = crashrecord.RunRecord(crashrecord.record_path(settings.supervisor.data_dir, key))
     pred = crashrecord.read_predecessor(record.path)
     if pred is not None:

@@ -19,14 +19,22 @@ import zmq
 COMMANDS = ("status", "drain", "resume", "restart", "kill-worker")
 
 
-def socket_path(configured: str = "", port: int = 8000) -> str:
+def socket_path(configured: str = "", port: int = 8000, uds: str = "") -> str:
     """Where the daemon listens: the configured path, else ``$RUNTIME_DIRECTORY/control.sock``
-    (systemd's RuntimeDirectory=), else ``/tmp/vllm-supervisor-<port>.sock``."""
+    (systemd's RuntimeDirectory=), else ``/tmp/vllm-supervisor-<port>.sock`` (with ``--uds``:
+    ``/tmp/vllm-supervisor-uds-<hash of its path>.sock``)."""
     if configured:
         return configured
     if os.environ.get("RUNTIME_DIRECTORY"):
         return str(Path(os.environ["RUNTIME_DIRECTORY"].split(":")[0]) / "control.sock")
-    return f"/tmp/vllm-supervisor-{port}.sock"
+    return f"/tmp/vllm-supervisor-{uds_key(uds) if uds else port}.sock"
+
+
+def uds_key(uds: str) -> str:
+    """A short name for a daemon that listens on the Unix socket ``uds``."""
+    import hashlib
+
+    return f"uds-{hashlib.sha1(uds.encode()).hexdigest()[:10]}"
 
 
 def socket_answers(path: str) -> bool:
@@ -150,6 +158,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="vllm-supervisor ctl")
     parser.add_argument("--socket", default="", help="control socket path (default: derived like the daemon does)")
     parser.add_argument("--port", type=int, default=8000, help="the daemon's HTTP port, to derive the default socket")
+    parser.add_argument("--uds", default="", help="the daemon's --uds path, to derive the default socket")
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("status").add_argument("--json", action="store_true")
     sub.add_parser("drain", help="stop admitting; finish in-flight requests")
@@ -158,7 +167,7 @@ def main(argv: list[str]) -> int:
     sub.add_parser("kill-worker", help="drill: ray.kill the worker of RANK").add_argument("rank", type=int)
     args = parser.parse_args(argv)
     payload = {"rank": args.rank} if args.cmd == "kill-worker" else {}
-    path = socket_path(args.socket, args.port)
+    path = socket_path(args.socket, args.port, args.uds)
     try:
         reply = request(path, args.cmd, payload)
     except zmq.ZMQError as exc:

@@ -1,21 +1,22 @@
 """Crash-only start: the run record a daemon leaves, and cleaning after a predecessor that
 left one because it crashed.
 
-Each daemon writes ``<data_dir>/run/daemon-<host>-<port>.json`` (its pid and start time,
+Each daemon writes ``<data_dir>/run/daemon-<hostname>-<listen address>.json`` (its pid and start time,
 its daemon id, the Ray address it used, its control socket) and starts the crash reaper
 (``executor/reaper.py``), which keeps the pids of the daemon's processes beside it. A clean
 stop removes both. A daemon that finds a record whose process is gone cleans, before it
 builds anything:
 
-* the predecessor's processes, when its reaper died with it (the pids file; a pid counts
-  only with the same start time);
+* the predecessor's processes, when its reaper died with it (its pids file; a pid counts
+  only with the same start time; a reaper still at work is waited for);
 * ``/dev/shm`` segments of vLLM's that no process maps (older than a few seconds: one being
   created right now by another daemon is not touched);
 * the stale control socket (``supervisor.control`` also refuses to take over a live one);
 * on an existing Ray cluster, the predecessor's placement group and named actors (by its
   daemon id, after Ray is connected: ``EngineBuilder.connect_ray``).
 
-The record is trusted only when this user owns it and nobody else may write to it.
+The record and the pids file are trusted only when this user owns them and nobody else may
+write to them or their directory.
 """
 
 from __future__ import annotations
@@ -39,12 +40,15 @@ log = logs.get_logger("vllm_supervisor.crashrecord")
 STALE_SHM_AGE_S = 5.0
 
 
-def record_path(data_dir: Path, port: int | str) -> Path:
-    return Path(data_dir).expanduser() / "run" / f"daemon-{socket.gethostname()}-{port}.json"
+def record_path(data_dir: Path, key: str) -> Path:
+    """``key``: the daemon's listen address (``<host>-<port>``, or ``uds-<hash>``)."""
+    return Path(data_dir).expanduser() / "run" / f"daemon-{socket.gethostname()}-{key}.json"
 
 
-def pids_path(record: Path) -> Path:
-    return record.with_suffix(".pids")
+def pids_path(record: Path, pid: int | None = None) -> Path:
+    """Where the reaper of daemon ``pid`` (default: this process) keeps its snapshot: one file
+    per daemon, so a predecessor's slow reaper never removes its successor's."""
+    return record.with_name(f"{record.stem}.{os.getpid() if pid is None else pid}.pids")
 
 
 @dataclass
@@ -55,12 +59,17 @@ class Predecessor:
     daemon_id: str = ""
     ray_address: str = ""
     control_socket: str = ""
+    reaper: tuple[int, int] | None = None  # (pid, start time)
     cleaned: dict[str, Any] = field(default_factory=dict)
 
 
 def _trusted(path: Path) -> bool:
-    st = path.stat()
-    return st.st_uid == os.getuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    """Owned by this user, writable by nobody else, in a directory nobody else may write."""
+    for p in (path, path.parent):
+        st = p.stat()
+        if st.st_uid != os.getuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            return False
+    return True
 
 
 def read_predecessor(record: Path) -> Predecessor | None:
@@ -78,13 +87,21 @@ def read_predecessor(record: Path) -> Predecessor | None:
         return None
     if start_time(pid) == started:
         return None  # it still runs (another daemon with this port, e.g. on a Unix socket)
+    reaper = data.get("reaper")
     return Predecessor(pid, str(data.get("daemon_id", "")), str(data.get("ray_address", "")),
-                       str(data.get("control_socket", "")))
+                       str(data.get("control_socket", "")), tuple(reaper) if isinstance(reaper, list) else None)
 
 
 def clean_local(pred: Predecessor, record: Path) -> dict[str, Any]:
-    """Everything of the predecessor's that needs no Ray: processes, shared memory, socket."""
-    killed = reap(read_pids(pids_path(record)))
+    """Everything of the predecessor's that needs no Ray: processes, shared memory, socket.
+    Its own reaper, if it still runs, is given time to finish first."""
+    if pred.reaper is not None:
+        deadline = time.monotonic() + 20.0
+        while start_time(pred.reaper[0]) == pred.reaper[1] and time.monotonic() < deadline:
+            time.sleep(0.2)
+    pids = pids_path(record, pred.pid)
+    killed = reap(read_pids(pids)) if pids.exists() and _trusted(pids) else []
+    pids.unlink(missing_ok=True)
     now = time.time()
     stale = set()
     for name in vllm_segments():
@@ -116,10 +133,11 @@ class RunRecord:
 
     def write(self, daemon_id: str, ray_address: str, control_socket: str) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        reaper = [self.reaper.pid, start_time(self.reaper.pid)] if self.reaper else None
         data = {"pid": os.getpid(), "start_time": start_time(os.getpid()), "daemon_id": daemon_id,
                 "ray_address": ray_address, "control_socket": control_socket, "started_at": time.time(),
-                "reaper_pid": self.reaper.pid if self.reaper else None}
-        tmp = self.path.with_suffix(".tmp")
+                "reaper": reaper}
+        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as fh:
             json.dump(data, fh)
@@ -127,8 +145,10 @@ class RunRecord:
 
     def start_reaper(self) -> None:
         """The reaper's stdin is a pipe only this process holds: its end of file is our death."""
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.reaper = subprocess.Popen(
-            [sys.executable, "-m", "executor.reaper", "--pid", str(os.getpid()), "--pids-file", str(pids_path(self.path))],
+            [sys.executable, "-m", "executor.reaper", "--pid", str(os.getpid()), "--start-time", str(start_time(os.getpid())),
+             "--pids-file", str(pids_path(self.path))],
             stdin=subprocess.PIPE, cwd=str(Path(__file__).resolve().parent.parent), close_fds=True,
         )
         self._pipe = self.reaper.stdin
@@ -145,5 +165,6 @@ class RunRecord:
                 self.reaper.wait(5)
             except subprocess.TimeoutExpired:
                 self.reaper.kill()
+                self.reaper.wait()
         self.path.unlink(missing_ok=True)
         pids_path(self.path).unlink(missing_ok=True)

@@ -57,9 +57,19 @@ def test_the_private_cluster_token_is_never_written_to_disk(daemon, home):
     probe = ("import ray, sys\n"
              "try:\n    ray.init(address=sys.argv[1], log_to_driver=False)\nexcept Exception as exc:\n"
              "    print('refused:', type(exc).__name__); sys.exit(3)\nprint('connected')")
-    out = subprocess.run([sys.executable, "-c", probe, address], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64, "HOME": str(home)})
+    def connect(token: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", probe, address], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, "HOME": str(home)})
+
+    out = connect("0" * 64)
     assert out.returncode == 3 and "refused" in out.stdout, (out.stdout[-500:], out.stderr[-2000:])
+    # the control: the cluster's own token (in the environment the GCS was started with) connects
+    from executor.reaper import descendants
+
+    gcs = [pid for pid, _ in descendants(daemon.proc.pid) if "gcs_server" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")]
+    env = dict(e.split(b"=", 1) for e in Path(f"/proc/{gcs[0]}/environ").read_bytes().split(b"\0") if b"=" in e)
+    out = connect(env[b"RAY_AUTH_TOKEN"].decode())
+    assert out.returncode == 0 and "connected" in out.stdout, (out.stdout[-500:], out.stderr[-2000:])
 
 
 @pytest.fixture(scope="module")

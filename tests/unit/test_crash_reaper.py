@@ -59,7 +59,7 @@ def start_stand_in(tmp_path: Path, mode: str):
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert proc.stdout.readline().strip() == b"up"
     # 1 child + its sleep + 1 sleep (not the reaper itself), snapshotted into the pids file
-    wait_for(lambda: len(read_pids(crashrecord.pids_path(record))) >= 3, what="the reaper's snapshot")
+    wait_for(lambda: len(read_pids(crashrecord.pids_path(record, proc.pid))) >= 3, what="the reaper's snapshot")
     return proc, record, segment
 
 
@@ -71,7 +71,7 @@ def test_sigkill_of_the_daemon_takes_its_process_tree_and_shared_memory(tmp_path
     proc.wait()
     wait_for(lambda: all(start_time(pid) != st for pid, st in tree), what="the tree to be reaped")
     wait_for(lambda: not Path("/dev/shm", segment).exists(), what="the segment to be removed")
-    wait_for(lambda: not crashrecord.pids_path(record).exists(), what="the pids file to go")
+    wait_for(lambda: not crashrecord.pids_path(record, proc.pid).exists(), what="the pids file to go")
     # the record stays: the next daemon on this port sees that its predecessor crashed
     assert crashrecord.read_predecessor(record).pid == proc.pid
 
@@ -83,7 +83,7 @@ def test_a_clean_stop_leaves_everything_to_the_daemon(tmp_path):
         proc.stdin.write(b"go\n")
         proc.stdin.flush()
         assert proc.stdout.readline().strip() == b"closed"
-        assert not record.exists() and not crashrecord.pids_path(record).exists()
+        assert not record.exists() and not crashrecord.pids_path(record, proc.pid).exists()
         time.sleep(1.0)
         alive = [pid for pid, st in tree if start_time(pid) == st]
         assert len(alive) == 3  # the reaper exited; the daemon's own children untouched
@@ -99,7 +99,7 @@ def test_the_next_start_reaps_what_a_dead_reaper_could_not(tmp_path):
     kills the tree from the pids file, removes stale segments and a stale control socket."""
     proc, record, segment = start_stand_in(tmp_path, "crash")
     tree = descendants(proc.pid)
-    reaper = json.loads(record.read_text())["reaper_pid"]
+    reaper = json.loads(record.read_text())["reaper"][0]
     os.kill(reaper, signal.SIGKILL)
     proc.kill()
     proc.wait()
