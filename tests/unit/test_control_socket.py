@@ -44,6 +44,16 @@ def connect_as(uid: int, path: str) -> int:
     return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
 
 
+async def started(path: str) -> asyncio.Task:
+    """The real control server on ``path``, once its socket exists."""
+    server = asyncio.create_task(serve_control(path, _status, _submit))
+    for _ in range(100):
+        if Path(path).exists():
+            break
+        await asyncio.sleep(0.02)
+    return server
+
+
 @pytest.fixture
 def open_dir():
     """A directory anyone may enter: only the socket's own mode can refuse a connect."""
@@ -57,11 +67,7 @@ def test_only_this_user_may_connect_and_a_live_socket_is_not_taken_over(open_dir
     path = str(open_dir / "control.sock")
 
     async def main() -> None:
-        server = asyncio.create_task(serve_control(path, _status, _submit))
-        for _ in range(100):
-            if Path(path).exists():
-                break
-            await asyncio.sleep(0.02)
+        server = await started(path)
         st = os.stat(path)
         assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.getuid()
         assert socket_answers(path)
@@ -98,11 +104,7 @@ def test_another_user_is_refused(open_dir):
     path = str(open_dir / "control.sock")
 
     async def main() -> None:
-        server = asyncio.create_task(serve_control(path, _status, _submit))
-        for _ in range(100):
-            if Path(path).exists():
-                break
-            await asyncio.sleep(0.02)
+        server = await started(path)
         assert await asyncio.to_thread(connect_as, NOBODY, path) == errno.EACCES
         os.chmod(path, 0o666)  # the control: the mode is what refuses
         assert await asyncio.to_thread(connect_as, NOBODY, path) == 0
