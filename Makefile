@@ -43,7 +43,7 @@ FUZZ_S  ?= 1800
 chaos: venv
 	$(PY) -m chaos.soak --faults $(FAULTS) --seed $(SEED) --tp $(TP) --out reports
 	$(PY) -m chaos.stress --streams $(STREAMS) --out reports
-	VLLM_SUPERVISOR_FUZZ_S=$(FUZZ_S) $(PY) -m pytest -q -s tests/integration/test_fuzz.py
+	VLLM_SUPERVISOR_FUZZ_S=$(FUZZ_S) $(PY) -m pytest -q -s fuzz/test_schemathesis.py
 
 # Benchmarks (tens of minutes): serving overhead vs vllm serve, recovery vs cold start and
 # process restart, and a 50-fault soak with trend plot. Results: bench/results/.
