@@ -137,16 +137,22 @@ class Soak:
         return {"baseline": baseline, "faults": self.rows}
 
     def close(self) -> dict[str, Any]:
-        code, took = self.daemon.stop(signal.SIGTERM)
-        try:
-            self.daemon.assert_nothing_left()
-            left = "none"
-        except AssertionError as exc:
-            left = str(exc)
-        final = inject.inspect(self.head.address)
-        inject.disconnect()
-        self.head.stop()
-        return {"exit_code": code, "stop_s": round(took, 2), "left_after_stop": left, "cluster_after_stop": final}
+        return stop_and_inspect(self.daemon, self.head)
+
+
+def stop_and_inspect(daemon: Daemon, head: RayHead) -> dict[str, Any]:
+    """SIGTERM the daemon, then report its exit, what it left locally and on the cluster; stop
+    the Ray head."""
+    code, took = daemon.stop(signal.SIGTERM)
+    try:
+        daemon.assert_nothing_left()
+        left = "none"
+    except AssertionError as exc:
+        left = str(exc)
+    final = inject.inspect(head.address)
+    inject.disconnect()
+    head.stop()
+    return {"exit_code": code, "stop_s": round(took, 2), "left_after_stop": left, "cluster_after_stop": final}
 
 
 TREND_SERIES = [("rss_kib", "daemon RSS (MiB)", 1 / 1024), ("fds", "daemon fds", 1), ("threads", "daemon threads", 1),

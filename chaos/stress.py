@@ -43,7 +43,7 @@ import openai
 from chaos import inject
 from chaos.harness import Daemon, RayHead
 from chaos.load import PROMPTS, RequestRecord, client, compare, specs, stream_one
-from chaos.soak import proc_stats
+from chaos.soak import proc_stats, stop_and_inspect
 
 LENGTHS = (48, 160, 400, 800)
 FAULTS = ("ray_kill", "kill_engine_core", "sigstop_worker")
@@ -278,16 +278,7 @@ class Stress:
             self.head.stop()
             return {"exit_code": self.daemon.proc.returncode, "stop_s": 0, "left_after_stop": "daemon had exited",
                     "cluster_after_stop": {}}
-        code, took = self.daemon.stop(signal.SIGTERM)
-        try:
-            self.daemon.assert_nothing_left()
-            left = "none"
-        except AssertionError as exc:
-            left = str(exc)
-        final = inject.inspect(self.head.address)
-        inject.disconnect()
-        self.head.stop()
-        return {"exit_code": code, "stop_s": round(took, 2), "left_after_stop": left, "cluster_after_stop": final}
+        return stop_and_inspect(self.daemon, self.head)
 
 
 def failures(report: dict[str, Any]) -> list[str]:
