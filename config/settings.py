@@ -76,6 +76,12 @@ class RaySettings(_Section):
     placement_timeout_s: float = Field(60.0, gt=0)
     num_cpus: int | None = Field(None, ge=1, description="Local cluster only: CPUs Ray may use.")
     object_store_memory_mib: int = Field(256, ge=64, description="Local cluster only.")
+    # Loss of the cluster's head (its GCS): the daemon keeps serving /livez, parks its streams,
+    # waits for the GCS to listen again and rebuilds; past the deadline it exits 75 for systemd.
+    gcs_lost_after_s: float = Field(
+        1.0, gt=0, description="The GCS port must refuse (or time out) this long before the cluster counts as lost.")
+    reconnect_timeout_s: float = Field(
+        120.0, gt=0, description="How long to wait for a lost Ray cluster to come back before exiting 75.")
 
 
 class ServerSettings(_Section):

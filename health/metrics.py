@@ -18,7 +18,7 @@ PREFIX = "vllm_supervisor_"
 STATES = ("starting", "ready", "recovering", "draining", "stopping", "stopped", "failed")
 DEATH_CAUSES = ("killed", "exited", "oom", "node_lost", "unknown")
 RESTART_REASONS = ("worker_death", "engine_dead", "hang", "ray_lost", "build_failed", "operator", "reload")
-PHASES = ("detect", "drain", "teardown", "placement_group", "engine_start")
+PHASES = ("detect", "drain", "teardown", "ray_reconnect", "placement_group", "engine_start")
 OUTCOMES = ("ok", "continued", "rejected", "failed")
 
 # LLM serving: first tokens in tens of ms to tens of s; recoveries in s to minutes.
@@ -77,6 +77,8 @@ class SupervisorMetrics:
         self.e2e = Histogram(p + "request_duration_seconds", "Request arrival to last token", buckets=E2E_BUCKETS, registry=r)
         self.probe_latency = Histogram(p + "probe_duration_seconds", "Duration of the canary generation", buckets=PROBE_BUCKETS, registry=r)
         self.probe_last_success = Gauge(p + "probe_last_success_timestamp_seconds", "Unix time of the last successful probe", registry=r)
+        self.ray_connected = Gauge(p + "ray_connected", "1 while the daemon's Ray agent is connected to the cluster's GCS "
+                                   "(0 from a lost GCS until it is back)", registry=r)
         self.standby_state = Gauge(p + "standby_state", "1 for the warm standby's current state, else 0", ["state"], registry=r)
         self.standby_replacements = Counter(p + "standby_replacements", "Standby parts that died and were replaced", registry=r)
         self.standby_adoptions = Counter(p + "standby_adoptions", "Engine builds by whether their workers were adopted from the standby",

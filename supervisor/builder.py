@@ -1,8 +1,9 @@
 """Everything that blocks on Ray or builds an engine: the owner calls these from worker
 threads (``asyncio.to_thread``), never on the event loop.
 
-The model, the Ray connection, the placement group (kept across generations while all its
-bundles are placed), one engine generation's build and teardown, and the actor kills.
+The model, the Ray connection (a child process, ``executor.rayagent``: every Ray call of the
+daemon goes through it), the placement group (kept across generations while all its bundles
+are placed), one engine generation's build and teardown, and the actor kills.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ class EngineBuilder:
         self.engine_args = engine_args  # vLLM's serve Namespace (``config.serve_args``)
         self.daemon_id = daemon_id
         self.event_endpoint = event_endpoint
-        self.cluster: Any = None
+        self.cluster: Any = None  # executor.rayagent.RayAgent once Ray is used
+        self.cluster_lost = False  # the agent was killed: its GCS went away (reconnect_ray)
         self.placement_group: Any = None
         self.model_path = ""
         self.served_model_name = ""
@@ -60,13 +62,18 @@ class EngineBuilder:
                     model_path=self.model_path, build_s=round(time.monotonic() - started, 2))
 
     def connect_ray(self) -> None:
-        from executor.cluster import RayCluster
+        from executor.rayagent import RayAgent
 
-        self.cluster = RayCluster(self.settings.ray)
-        address = self.cluster.connect()
-        log.info("ray connected", address=address, local=self.cluster.started_local)
+        agent = RayAgent(self.settings.ray)
+        try:
+            address = agent.start()
+        except BaseException:
+            agent.kill()
+            raise
+        self.cluster, self.cluster_lost = agent, False
+        log.info("ray connected", address=address, local=agent.started_local, agent_pid=agent.pid)
         if self.predecessor_id:
-            removed = self.cluster.remove_leftovers(self.predecessor_id)
+            removed = self.cluster.call("remove_leftovers", self.predecessor_id)
             log.warning("removed a crashed predecessor's Ray leftovers", predecessor_id=self.predecessor_id, **removed)
             self.predecessor_id = ""
 
@@ -77,14 +84,14 @@ class EngineBuilder:
         if self.cluster is None:  # the mp executor: no Ray, no placement group
             return
         if self.placement_group is not None:
-            if self.cluster.placement_group_ready(self.placement_group):
+            if self.cluster.call("placement_group_ready", self.placement_group):
                 return
             log.warning("placement group lost bundles; re-creating it")
-            self.cluster.remove_placement_group(self.placement_group)
+            self.cluster.call("remove_placement_group", self.placement_group)
             self.placement_group = None
         device = "CPU" if is_cpu_platform() else "GPU"
         started = time.monotonic()
-        self.placement_group = self.cluster.create_placement_group(f"{self.daemon_id}-pg", self.world_size, device)
+        self.placement_group = self.cluster.call("create_placement_group", f"{self.daemon_id}-pg", self.world_size, device)
         log.info("placement group ready", bundles=self.world_size, device=device, took_s=round(time.monotonic() - started, 3))
 
     def build(self, number: int, standby: dict[str, Any] | None = None) -> Generation:
@@ -140,29 +147,19 @@ class EngineBuilder:
         forkserver.stop()
 
     def create_standby(self, number: int, vllm_config: Any) -> list[dict[str, Any]]:
-        from executor.standby import create_standby_workers
-
         # Only into the placement group the serving generation holds: re-creating a lost one is
         # the recovery's job (two threads doing it would leak one).
-        if self.placement_group is None or not self.cluster.placement_group_ready(self.placement_group):
+        pg = self.placement_group
+        if pg is None or not self.cluster.call("placement_group_ready", pg):
             raise RuntimeError("the placement group is not ready; the next recovery re-creates it")
-        return create_standby_workers(vllm_config, self.placement_group, self.instance_id(number), self.standby_namespace)
+        return self.cluster.call("create_standby", vllm_config, pg, self.instance_id(number), self.standby_namespace)
 
-    @staticmethod
-    def standby_states(workers: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        from executor.standby import actor_state
+    def standby_states(self, workers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return self.cluster.call("standby_states", [w["actor_id"] for w in workers])
 
-        return [actor_state(w["actor_id"]) for w in workers]
-
-    @staticmethod
-    def kill_standby(workers: list[dict[str, Any]], wait_s: float = 5.0) -> None:
+    def kill_standby(self, workers: list[dict[str, Any]], wait_s: float = 5.0) -> None:
         """Kill standby workers and wait (bounded) until Ray has released their names."""
-        from executor.standby import actor_state, kill
-
-        kill([w["handle"] for w in workers if w.get("handle") is not None])
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline and any(actor_state(w["actor_id"])["state"] != "DEAD" for w in workers):
-            time.sleep(0.1)
+        self.cluster.call("kill_standby", [w["actor_id"] for w in workers], wait_s)
 
     def front(self, engine: Any) -> tuple[Any, Any]:
         """The request path's own renderer and input processor (they outlive ``engine``)."""
@@ -212,19 +209,41 @@ class EngineBuilder:
                  shm_removed=removed, took_s=round(time.monotonic() - started, 2))
 
     def release_cluster(self) -> None:
-        if self.cluster is None:
+        if self.cluster is None or self.cluster_lost:
             return
         if self.placement_group is not None:
-            self.cluster.remove_placement_group(self.placement_group)
+            self.cluster.call("remove_placement_group", self.placement_group)
             self.placement_group = None
-        self.cluster.shutdown()
+        self.cluster.stop()
         log.info("ray released", stopped_local_cluster=self.cluster.started_local)
 
+    # --- loss of the cluster (its GCS) ------------------------------------------------------
+
+    @property
+    def gcs_address(self) -> str:
+        """The GCS the daemon is connected to ("" without Ray)."""
+        return self.cluster.address if self.cluster is not None else ""
+
+    def lose_cluster(self) -> list[int]:
+        """The GCS went away: kill the agent (and a private cluster's processes) before a
+        new GCS can answer it, forget the placement group (the new cluster has none)."""
+        if self.cluster is None or self.cluster_lost:
+            return []
+        self.cluster_lost = True
+        self.placement_group = None
+        killed = self.cluster.kill()
+        log.warning("ray agent killed: the cluster is lost", killed_pids=killed)
+        return killed
+
+    def reconnect_ray(self) -> None:
+        """A new agent, connected to the cluster at the same address (or a new private one)."""
+        self.connect_ray()
+
     def kill_actors(self, instance_id: str) -> list[str]:
-        if self.cluster is None:
+        if self.cluster is None or self.cluster_lost:  # lost: its actors went with the cluster
             return []
         try:
-            return self.cluster.kill_instance_actors(instance_id)
+            return self.cluster.call("kill_instance_actors", instance_id)
         except Exception as exc:
             log.warning("could not list/kill actors", error=str(exc))
             return []
@@ -239,13 +258,13 @@ class EngineBuilder:
         from executor.cluster import worker_actor_name
 
         a = self.engine_args
-        return self.cluster.kill_actor_exact(
-            worker_actor_name(instance_id, rank, a.tensor_parallel_size, a.pipeline_parallel_size))
+        return self.cluster.call("kill_actor_exact",
+                                 worker_actor_name(instance_id, rank, a.tensor_parallel_size, a.pipeline_parallel_size))
 
     def workers(self, instance_id: str) -> list[dict[str, Any]]:
-        if self.cluster is None or not hasattr(self.cluster, "workers"):
+        if self.cluster is None:
             return []
-        return self.cluster.workers(instance_id)
+        return self.cluster.call("workers", instance_id)
 
     def reachable(self) -> bool:
-        return self.cluster is None or self.cluster.reachable()
+        return self.cluster is None or self.cluster.call("reachable")

@@ -32,18 +32,19 @@ from config import Settings
 from executor.events import WorkerDeathEvent
 from health.metrics import SupervisorMetrics, death_cause
 from health.notify import SystemdNotifier, watchdog_loop
+from health.clusterwatch import ClusterWatch
 from health.probe import EngineProbe
 from supervisor import aio, logs
 from supervisor.builder import EngineBuilder
 from supervisor.engine_client import SupervisedEngineClient
 from supervisor.events import (
-    ControlCommand, EngineFailed, Event, RecoveryFinished, ReloadRequested, SignalReceived, StopFinished,
+    ClusterLost, ControlCommand, EngineFailed, Event, RecoveryFinished, ReloadRequested, SignalReceived, StopFinished,
 )
 from supervisor.generation import EngineUnavailable, Generation, RequestFailed  # noqa: F401 (re-exported)
 from supervisor.policy import RestartIntensity
 from supervisor.standby import Standby
 from supervisor.operations import Operations
-from supervisor.recovery import EXIT_FAILED, EXIT_OK, Lifecycle
+from supervisor.recovery import EXIT_FAILED, EXIT_OK, EXIT_RAY_LOST, Lifecycle
 from supervisor.states import State, StateMachine
 
 log = logs.get_logger("vllm_supervisor.daemon")
@@ -73,6 +74,7 @@ class Supervisor(Lifecycle, Operations):
         self.client = SupervisedEngineClient(self)
         self.front: Any = None  # supervisor.http.Front, when one serves this daemon
         self.probe = EngineProbe(self)
+        self.clusterwatch = ClusterWatch(self)
         self.standby = Standby(self.builder, self.metrics, enabled=self.cfg.standby == "warm")
         self.current: Generation | None = None
         self.started_monotonic = time.monotonic()
@@ -132,8 +134,8 @@ class Supervisor(Lifecycle, Operations):
         self._events.put_nowait(event)
 
     def _install_signal_handlers(self) -> None:
-        """Signals only enqueue. Re-run after ``ray.init``: Ray's core worker installs
-        absl's failure handler over SIGTERM, which aborts the process."""
+        """Signals only enqueue. (Ray's core worker would install absl's failure handler over
+        SIGTERM; it runs in the Ray agent, ``executor.rayagent``, not here.)"""
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(signum)
@@ -147,6 +149,7 @@ class Supervisor(Lifecycle, Operations):
         loop = asyncio.get_running_loop()
         self._install_signal_handlers()
         background = [self._spawn(self._listen_for_worker_deaths()), self._spawn(self.probe.run()),
+                      self._spawn(self.clusterwatch.run()),
                       self._spawn(watchdog_loop(self.notifier, lambda: self.state))]
         if self.control_socket:
             background.append(self._spawn(serve_control(self.control_socket, self.full_status, self._submit)))
@@ -175,10 +178,12 @@ class Supervisor(Lifecycle, Operations):
                 self._begin_stop(f"{signal.Signals(event.signum).name} received")
         elif isinstance(event, EngineFailed):
             self._on_engine_failed(event)
+        elif isinstance(event, ClusterLost):
+            await self._on_cluster_lost(event)
         elif isinstance(event, RecoveryFinished):
             self._recovery = None
             if not event.ok and self.state is not State.STOPPING:
-                self.exit_code = EXIT_FAILED
+                self.exit_code = EXIT_RAY_LOST if self.builder.cluster_lost else EXIT_FAILED
                 self._begin_stop(event.detail)
         elif isinstance(event, ControlCommand):
             if not event.reply.done():
@@ -260,8 +265,15 @@ class Supervisor(Lifecycle, Operations):
             "config_error": self.config_error,
             **({"test_held": c.held} if c._test_hooks else {}),
             "probe": self.probe.status(),
+            **({"ray": self.ray_status()} if self.builder.uses_ray else {}),
             "standby": self.standby.status(),
         }
+
+    def ray_status(self) -> dict[str, Any]:
+        b, lost = self.builder, self.cluster_lost_monotonic
+        return {"gcs_address": b.gcs_address, "connected": b.cluster is not None and not b.cluster_lost,
+                "lost_for_s": None if lost is None else round(time.monotonic() - lost, 1),
+                "agent_pid": getattr(b.cluster, "pid", None)}
 
     async def full_status(self) -> dict[str, Any]:
         """``status()`` plus the workers (rank, actor, pid, node) from Ray."""

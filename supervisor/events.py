@@ -26,6 +26,15 @@ class EngineFailed:
 
 
 @dataclass(frozen=True)
+class ClusterLost:
+    """The Ray cluster's GCS stopped listening (``health.clusterwatch``)."""
+
+    address: str
+    detail: str
+    detected_monotonic: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True)
 class RecoveryFinished:
     ok: bool
     detail: str = ""
@@ -50,4 +59,4 @@ class ReloadRequested:
     pass
 
 
-Event = SignalReceived | EngineFailed | RecoveryFinished | StopFinished | ControlCommand | ReloadRequested
+Event = SignalReceived | EngineFailed | ClusterLost | RecoveryFinished | StopFinished | ControlCommand | ReloadRequested

@@ -47,7 +47,6 @@ class Generation:
     failed: bool = False
     planned: bool = False  # retired by a drain-then-rebuild (restart, reload), not by a fault
     standby: dict[str, Any] | None = None  # what its build adopted (supervisor.standby)
-    actor_handles: list[Any] = field(default_factory=list)  # adopted standbys: alive while held
 
     async def reap_lingering(self, timeout_s: float = 2.0) -> None:
         """After shutdown: a second cancel ends an abort that the dead engine never answers
@@ -67,7 +66,6 @@ class Generation:
         recovery (a rare event) returns them at once."""
         self.engine = None
         self.pumps.clear()
-        self.actor_handles.clear()  # torn down: the actors were killed already
         started = time.monotonic()
         gc.collect()
         return time.monotonic() - started

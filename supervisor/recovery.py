@@ -5,6 +5,10 @@ A failure marks the serving generation failed, parks its streams, and starts a r
 drain the streams' hold on it, tear it down (engine core, actors, shared-memory rings),
 then build the next generation on the same placement group, under the restart intensity
 limit and with backoff between failed builds.
+
+Loss of the Ray cluster (``ClusterLost``) kills the Ray agent at once, fails the serving
+generation like any fault, and makes every build wait (up to ``ray.reconnect_timeout_s``)
+for the GCS to listen again and a new agent to connect; past that the daemon exits 75.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ from typing import Any
 
 from health.metrics import death_cause
 from supervisor import aio, logs
-from supervisor.events import EngineFailed, RecoveryFinished, StopFinished
+from health.clusterwatch import listening
+from supervisor.events import ClusterLost, EngineFailed, RecoveryFinished, StopFinished
 from supervisor.generation import Generation
 from supervisor.policy import backoff_s
 from supervisor.states import State
@@ -24,6 +29,7 @@ log = logs.get_logger("vllm_supervisor.recovery")
 
 EXIT_OK = 0
 EXIT_FAILED = 3  # documented: restart budget exhausted, or the first engine could not start
+EXIT_RAY_LOST = 75  # EX_TEMPFAIL: the Ray cluster was lost and did not come back in time
 
 
 class Lifecycle:
@@ -35,6 +41,7 @@ class Lifecycle:
         self._recovery: asyncio.Task | None = None
         self._active_record: dict[str, Any] | None = None  # the recovery under way
         self._reattach = False  # a reload changed engine arguments: the front takes the new config
+        self.cluster_lost_monotonic: float | None = None  # when the GCS stopped answering (while lost)
 
     # --- failures -----------------------------------------------------------------
 
@@ -85,6 +92,56 @@ class Lifecycle:
         log.info("failure cause refined", cause="worker_death", detail=event.detail[:300])
         return True
 
+    # --- the Ray cluster lost -------------------------------------------------------------
+
+    async def _on_cluster_lost(self, event: ClusterLost) -> None:
+        """Kill the Ray agent before a new GCS can answer it, forget the standby's workers
+        (they went with the cluster) and fail the serving generation; the recovery waits for
+        the cluster in ``_await_cluster``."""
+        if self.builder.cluster_lost or self.builder.cluster is None or self.state.terminal:
+            return
+        timeout = self.settings.ray.reconnect_timeout_s
+        log.error("ray cluster lost", address=event.address, detail=event.detail, reconnect_timeout_s=timeout,
+                  detect_ms=round((time.monotonic() - event.detected_monotonic) * 1000, 1))
+        self.cluster_lost_monotonic = event.detected_monotonic
+        self.metrics.ray_connected.set(0)
+        await asyncio.to_thread(self.builder.lose_cluster)
+        await self.standby.cluster_lost()
+        if self._building is not None:  # its engine core lost the cluster too
+            self._doomed.add(self._building)
+        reason = f"ray cluster lost ({event.address}: {event.detail}); waiting up to {timeout:g} s for it"
+        gen = self.current
+        if gen is not None and not gen.failed and self.state is not State.STOPPING:
+            self._on_engine_failed(EngineFailed(gen.number, "ray_lost", reason, event.detected_monotonic))
+        elif self.state is State.RECOVERING:
+            self.machine.transition(State.RECOVERING, reason)
+
+    async def _await_cluster(self) -> tuple[bool, str]:
+        """Until the deadline: wait for the lost GCS to listen again (a private cluster is
+        started anew at once), then connect a new agent. Returns (ok, detail)."""
+        timeout = self.settings.ray.reconnect_timeout_s
+        lost_at = self.cluster_lost_monotonic or time.monotonic()
+        address, private = self.builder.gcs_address, self.builder.cluster.started_local
+        while time.monotonic() < lost_at + timeout:
+            if self.state is State.STOPPING:
+                return True, "stopping"
+            if private or await listening(address) is None:
+                try:
+                    await asyncio.to_thread(self.builder.reconnect_ray)
+                except Exception as exc:  # the GCS listens before its node is up: try again
+                    log.warning("ray reconnect failed; retrying", error=f"{type(exc).__name__}: {exc}"[:300])
+                    await asyncio.sleep(1.0)
+                    continue
+                lost_for = time.monotonic() - lost_at
+                self.cluster_lost_monotonic = None
+                self.metrics.ray_connected.set(1)
+                log.info("ray cluster back", address=self.builder.gcs_address, lost_for_s=round(lost_for, 2))
+                if self.state is State.RECOVERING:
+                    self.machine.transition(State.RECOVERING, f"ray cluster back after {lost_for:.1f} s; rebuilding")
+                return True, ""
+            await asyncio.sleep(0.5)
+        return False, f"ray cluster at {address} lost and not back within {timeout:g} s"
+
     # --- starting and recovering --------------------------------------------------------
 
     async def _start(self) -> None:
@@ -92,7 +149,7 @@ class Lifecycle:
             await asyncio.to_thread(self.builder.prepare_model)
             if self.builder.uses_ray:
                 await asyncio.to_thread(self.builder.connect_ray)
-                self._install_signal_handlers()
+                self.metrics.ray_connected.set(1)
         except Exception as exc:
             log.exception("first start failed")
             self.post(RecoveryFinished(False, f"could not start: {type(exc).__name__}: {exc}"))
@@ -143,6 +200,12 @@ class Lifecycle:
         while True:
             if self.state is State.STOPPING:
                 return True, "stopping"
+            if self.builder.uses_ray and self.builder.cluster_lost:
+                t = time.monotonic()
+                ok, detail = await self._await_cluster()
+                phases["ray_reconnect"] = phases.get("ray_reconnect", 0.0) + time.monotonic() - t
+                if not ok or self.state is State.STOPPING:
+                    return ok, detail
             if (not first or attempt > 0) and not self.intensity.record():
                 return False, (f"restart intensity exceeded: more than {self.cfg.max_restarts} restarts "
                                f"in {self.cfg.restart_window_s:g} s")
@@ -163,11 +226,9 @@ class Lifecycle:
                 gen = await asyncio.to_thread(self.builder.build, number, claim)
                 phases["engine_start"] = time.monotonic() - t
                 if self.standby.enabled:  # while _building still names it: a failure now dooms it
-                    adoption = self.standby.adopted(number, await self._workers_of(gen), count=not (first and attempt == 1))
-                    gen.actor_handles = adoption.pop("handles")
-                    gen.standby = adoption
+                    gen.standby = self.standby.adopted(number, await self._workers_of(gen), count=not (first and attempt == 1))
                     if self._active_record is not None:
-                        self._active_record["standby"] = adoption
+                        self._active_record["standby"] = gen.standby
                 if self.client.model_config is None or self._reattach:  # first engine, or a reload changed it
                     front = await asyncio.to_thread(self.builder.front, gen.engine)
                     self.client.attach(gen.engine, await gen.engine.get_supported_tasks(), front)

@@ -57,7 +57,7 @@ class Standby:
         self.enabled = enabled
         self.state = StandbyState.OFF
         self.generation = 0  # the generation number this standby is for
-        self.workers: list[dict[str, Any]] = []  # rank, name, actor_id, bundle, handle, pid
+        self.workers: list[dict[str, Any]] = []  # rank, name, actor_id, bundle, pid, state
         self.forkserver_pid: int | None = None
         self.replacements = 0
         self.adoptions: dict[str, int] = {"adopted": 0, "cold": 0}
@@ -130,13 +130,12 @@ class Standby:
         if self.enabled and count:
             self.adoptions[result] += 1
             self.metrics.standby_adoptions.labels(result).inc()
-        # The adopted actors belong to the generation now; this daemon created them and Ray
-        # ends an actor when its creator drops the last handle: the generation keeps them.
-        handles = [w["handle"] for w in self.workers if w.get("handle") is not None]
+        # The adopted actors belong to the generation now (the Ray agent keeps their handles
+        # until the generation's actors are killed: Ray ends an actor whose creator drops them).
         self.workers = []
         if self.state is StandbyState.ADOPTING:
             self._to(StandbyState.OFF, f"generation {generation} built ({result})")
-        return {"result": result, "adopted_ranks": adopted, "handles": handles}
+        return {"result": result, "adopted_ranks": adopted}
 
     def build_failed(self) -> None:
         """The build that claimed the standby failed; its cleanup killed what it adopted."""
@@ -153,6 +152,15 @@ class Standby:
         if self.enabled:
             await asyncio.to_thread(self.builder.stop_forkserver)
         self.forkserver_pid = None
+
+    async def cluster_lost(self) -> None:
+        """The Ray cluster is gone and its standby workers with it: forget them (no Ray call).
+        The fork server is local and stays; the next READY prepares workers again."""
+        async with self._creating:  # a creation in flight fails as the Ray agent is killed
+            await self._cancel()
+        self.workers = []
+        if self.state is not StandbyState.OFF:
+            self._to(StandbyState.OFF, "the Ray cluster was lost")
 
     async def discard(self, reason: str) -> None:
         """Drop the standby (a reload changed the engine arguments it was made for)."""

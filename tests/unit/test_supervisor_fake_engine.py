@@ -154,8 +154,20 @@ class FakeBuilder:
     def prepare_model(self):
         pass
 
+    gcs_address = ""  # the cluster-loss tests point it at a TCP server of their own
+    cluster_lost = False
+
     def connect_ray(self):
-        self.cluster = SimpleNamespace(started_local=True, reachable=lambda: True)
+        self.cluster = SimpleNamespace(started_local=False, reachable=lambda: True, pid=None)
+        self.cluster_lost = False
+        self.connects = getattr(self, "connects", 0) + 1
+
+    def lose_cluster(self):
+        self.cluster_lost = True
+        return []
+
+    def reconnect_ray(self):
+        self.connect_ray()
 
     def ensure_placement_group(self):
         pass
@@ -588,3 +600,107 @@ def test_reload_edge_cases(tmp_path):
 
     run(scenario())
 
+
+
+class FakeGcs:
+    """A TCP listener standing in for the Ray head's GCS port: ``stop`` is the head lost,
+    ``start`` again (same port) is the head back."""
+
+    def __init__(self):
+        self.port = 0
+        self.server = None
+
+    async def start(self):
+        self.server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", self.port)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self
+
+    async def stop(self):
+        self.server.close()
+        await self.server.wait_closed()
+
+    @property
+    def address(self):
+        return f"127.0.0.1:{self.port}"
+
+
+def settings_with_ray(tmp_path, **ray):
+    base = settings(tmp_path)
+    return base.model_copy(update={"ray": base.ray.model_copy(update=ray)})
+
+
+def test_lost_gcs_parks_streams_and_the_rebuild_waits_until_it_listens_again(tmp_path):
+    async def scenario():
+        gcs = await FakeGcs().start()
+        builder = FakeBuilder()
+        builder.gcs_address = gcs.address
+        sup = FakeSupervisor(settings_with_ray(tmp_path, gcs_lost_after_s=0.3, reconnect_timeout_s=30), builder=builder)
+        owner = asyncio.create_task(sup.run())
+        await wait_for(lambda: sup.state is State.READY)
+        assert sup.ray_status()["connected"] and builder.connects == 1
+        lost = asyncio.Event()
+
+        def lose_at_7(n):
+            if n == 7:
+                lost.set()
+                sup.engines[0].step_s = 0.05  # slow enough to be mid-stream when the loss is seen
+
+        stream = asyncio.create_task(collect(sup, [1, 2, 3], 40, lose_at_7))
+        await lost.wait()
+        await gcs.stop()
+        await wait_for(lambda: builder.cluster_lost and sup.state is State.RECOVERING, 5)
+        assert "ray cluster lost" in sup.machine.reason and not sup.ready
+        await asyncio.sleep(1.0)  # the GCS is still down: nothing is built, nothing reconnects
+        assert sup.generation_number == 0 and builder.connects == 1 and len(sup.engines) == 1
+        assert sup.status()["ray"]["connected"] is False and sup.status()["ray"]["lost_for_s"] >= 1.0
+        assert sup.metrics.ray_connected._value.get() == 0
+        await gcs.start()  # the head is back on the same port
+        await wait_for(lambda: sup.state is State.READY and sup.generation_number == 2, 10)
+        assert await stream == reference([1, 2, 3], 40)  # the parked stream continued exactly
+        assert sup.outcomes["continued"] == 1
+        assert builder.connects == 2 and not builder.cluster_lost and sup.ray_status()["connected"]
+        assert sup.restarts["ray_lost"] == 1 and sup.recoveries[-1]["reason"] == "ray_lost"
+        assert sup.metrics.ray_connected._value.get() == 1
+        sup.post(SignalReceived(signal.SIGTERM))
+        assert await owner == 0
+        await gcs.stop()
+
+    run(scenario())
+
+
+def test_gcs_not_back_before_the_deadline_exits_75(tmp_path):
+    async def scenario():
+        gcs = await FakeGcs().start()
+        builder = FakeBuilder()
+        builder.gcs_address = gcs.address
+        sup = FakeSupervisor(settings_with_ray(tmp_path, gcs_lost_after_s=0.2, reconnect_timeout_s=1.5), builder=builder)
+        owner = asyncio.create_task(sup.run())
+        await wait_for(lambda: sup.state is State.READY)
+        await gcs.stop()
+        started = time.monotonic()
+        assert await asyncio.wait_for(owner, 10) == 75
+        assert 1.5 <= time.monotonic() - started < 6
+        assert sup.state is State.FAILED and "not back within 1.5 s" in sup.machine.reason
+        assert builder.connects == 1 and sup.torn_down == [1]
+
+    run(scenario())
+
+
+def test_a_gcs_blip_shorter_than_gcs_lost_after_s_is_not_a_loss(tmp_path):
+    async def scenario():
+        gcs = await FakeGcs().start()
+        builder = FakeBuilder()
+        builder.gcs_address = gcs.address
+        sup = FakeSupervisor(settings_with_ray(tmp_path, gcs_lost_after_s=2.0), builder=builder)
+        owner = asyncio.create_task(sup.run())
+        await wait_for(lambda: sup.state is State.READY)
+        await gcs.stop()
+        await asyncio.sleep(0.8)
+        await gcs.start()
+        await asyncio.sleep(2.0)
+        assert sup.state is State.READY and sup.generation_number == 1 and not builder.cluster_lost
+        sup.post(SignalReceived(signal.SIGTERM))
+        assert await owner == 0
+        await gcs.stop()
+
+    run(scenario())

@@ -1,0 +1,212 @@
+"""The daemon's Ray driver, in a child process of its own (``RayAgent``).
+
+Why a process of its own (measured on Ray 2.60, README "Ray head loss"): when the GCS of
+the cluster goes away and a new one starts on the same address, a driver that still has a
+GCS call in flight (``ray.nodes()``, the actor table the standby polls, the placement-group
+table) is aborted by Ray's core worker: the call retries until the new GCS answers
+``WrongClusterID`` and a ``RAY_CHECK`` ends the process. ``ray.shutdown()`` does not stop a
+call already in flight (measured: the abort came after it), and a driver whose GCS stays
+away gives up after Ray's 60 s reconnect timeout. Whatever holds the connection must be
+able to die without taking the daemon, its HTTP front and its parked streams with it.
+
+So every Ray call of the daemon runs here, in a process the daemon starts, kills when the
+GCS is lost (``kill``: the process and its children, no goodbye to a GCS that is gone) and
+starts again when the GCS listens again. ``multiprocessing.managers`` carries the calls:
+each calling thread gets a connection of its own and the agent serves each in a thread, so
+a slow call (a placement group waiting for capacity) does not hold up the others. A call
+whose agent is killed raises ``AgentGone`` in the caller's thread.
+
+The standby's actor handles live here too: Ray ends an actor when its creator drops the
+last handle, and handles cannot cross processes. The daemon names actors by id.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.managers
+import os
+import signal
+import time
+from typing import Any
+
+from config import RaySettings
+
+AGENT_TITLE = "vllm-supervisor: ray agent"
+
+
+class AgentGone(RuntimeError):
+    """The agent process was killed (cluster lost) or died while a call was in flight."""
+
+
+class RayService:
+    """The object the agent serves: the cluster connection and the standby's handles."""
+
+    def __init__(self, settings: dict):
+        from executor.cluster import RayCluster
+
+        self.cluster = RayCluster(RaySettings(**settings))
+        self.handles: dict[str, tuple[str, Any]] = {}  # actor id -> (name, handle): standbys we created
+
+    def connect(self) -> tuple[str, bool]:
+        address = self.cluster.connect()
+        return address, self.cluster.started_local
+
+    def shutdown(self) -> None:
+        self.handles.clear()
+        self.cluster.shutdown()
+
+    def reachable(self) -> bool:
+        return self.cluster.reachable()
+
+    def create_placement_group(self, name: str, num_bundles: int, device: str) -> Any:
+        return self.cluster.create_placement_group(name, num_bundles, device)
+
+    def placement_group_ready(self, pg: Any) -> bool:
+        return self.cluster.placement_group_ready(pg)
+
+    def remove_placement_group(self, pg: Any) -> None:
+        self.cluster.remove_placement_group(pg)
+
+    def remove_leftovers(self, daemon_id: str) -> dict[str, list[str]]:
+        return self.cluster.remove_leftovers(daemon_id)
+
+    def workers(self, instance_id: str) -> list[dict]:
+        return self.cluster.workers(instance_id)
+
+    def kill_actor_exact(self, name: str) -> list[str]:
+        return self.cluster.kill_actor_exact(name)
+
+    def kill_instance_actors(self, instance_id: str) -> list[str]:
+        from executor.cluster import names_instance
+
+        killed = self.cluster.kill_instance_actors(instance_id)
+        for actor_id, (name, _) in list(self.handles.items()):  # adopted standbys: killed with their engine
+            if names_instance(name, instance_id):
+                del self.handles[actor_id]
+        return killed
+
+    # --- the warm standby's workers (executor.standby) ----------------------------------
+
+    def create_standby(self, vllm_config: Any, pg: Any, instance_id: str, namespace: str) -> list[dict]:
+        from executor.standby import create_standby_workers
+
+        workers = create_standby_workers(vllm_config, pg, instance_id, namespace)
+        for w in workers:
+            self.handles[w["actor_id"]] = (w["name"], w.pop("handle"))
+        return workers
+
+    def standby_states(self, actor_ids: list[str]) -> list[dict]:
+        from executor.standby import actor_state
+
+        return [actor_state(a) for a in actor_ids]
+
+    def kill_standby(self, actor_ids: list[str], wait_s: float) -> None:
+        """Kill standby workers and wait (bounded) until Ray has released their names."""
+        from executor.standby import actor_state, kill
+
+        kill([self.handles.pop(a)[1] for a in actor_ids if a in self.handles])
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and any(actor_state(a)["state"] != "DEAD" for a in actor_ids):
+            time.sleep(0.1)
+
+
+class _Manager(multiprocessing.managers.BaseManager):
+    pass
+
+
+_Manager.register("RayService", RayService)
+
+
+def _agent_init() -> None:
+    """In the agent, before it serves: a terminal's Ctrl-C and SIGHUP are the daemon's to
+    handle (it drains, then stops the agent), not the agent's."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(AGENT_TITLE)
+    except ImportError:
+        pass
+
+
+class RayAgent:
+    """The daemon's side: start, stop or kill the agent; ``call`` a ``RayService`` method.
+
+    Blocks (process start, Ray calls): worker threads only, never the event loop."""
+
+    def __init__(self, settings: RaySettings):
+        self.settings = settings
+        self.address = ""
+        self.started_local = False
+        self._manager: _Manager | None = None
+        self._service: Any = None
+
+    @property
+    def pid(self) -> int | None:
+        proc = self._manager and self._manager._process
+        return proc.pid if proc is not None else None
+
+    def start(self) -> str:
+        """Start the agent and connect it to Ray; returns the GCS address. Exports
+        ``RAY_ADDRESS`` so that vLLM's engine-core process joins the same cluster."""
+        from executor.cluster import private_token
+
+        if not self.settings.address:
+            private_token()  # in this process's environment: the agent and the engine cores inherit it
+        manager = _Manager(ctx=multiprocessing.get_context("spawn"))
+        manager.start(initializer=_agent_init)
+        self._manager = manager
+        self._service = manager.RayService(self.settings.model_dump())
+        self.address, self.started_local = self.call("connect")
+        os.environ["RAY_ADDRESS"] = self.address
+        return self.address
+
+    def call(self, method: str, *args: Any) -> Any:
+        service = self._service
+        if service is None:
+            raise AgentGone("not connected to Ray (the cluster was lost)")
+        try:
+            return getattr(service, method)(*args)
+        except (EOFError, OSError) as exc:  # OSError: a broken or refused connection (or Ray's own)
+            if self._service is not None and self.alive():
+                raise
+            raise AgentGone(f"the Ray agent is gone ({type(exc).__name__}: {exc})") from exc
+
+    def alive(self) -> bool:
+        manager = self._manager
+        return manager is not None and manager._process.is_alive()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Disconnect from Ray (a private cluster stops with it), then end the agent."""
+        try:
+            self.call("shutdown")
+        finally:
+            self._service = None
+            manager, self._manager = self._manager, None
+            if manager is not None:
+                manager.shutdown()
+                if manager._process.is_alive():
+                    manager._process.join(timeout_s)
+                if manager._process.is_alive():
+                    self._kill_tree(manager._process.pid)
+
+    def kill(self) -> list[int]:
+        """The cluster is gone: SIGKILL the agent and what it started (a private cluster's
+        processes), without a word to Ray. Returns the pids killed."""
+        self._service = None
+        manager, self._manager = self._manager, None
+        if manager is None:
+            return []
+        killed = self._kill_tree(manager._process.pid)
+        manager.shutdown()  # the process is dead: this only joins it and drops the manager's state
+        return killed
+
+    @staticmethod
+    def _kill_tree(pid: int) -> list[int]:
+        from executor.reaper import descendants, reap, start_time
+
+        st = start_time(pid)
+        if st is None:
+            return []
+        return reap({(pid, st)} | descendants(pid))

@@ -1,0 +1,81 @@
+"""The cluster watch: finds a lost Ray GCS within about a second, without asking Ray.
+
+Every ``INTERVAL_S`` the daemon opens (and closes) a TCP connection to the GCS address it is
+connected to, on its event loop. A GCS that refuses or does not accept for
+``ray.gcs_lost_after_s`` on end is lost: one ``ClusterLost`` goes to the owner, which kills
+the Ray agent before a new GCS can answer it (``executor.rayagent`` says why) and waits for
+the cluster to come back. The watch never calls Ray: a Ray call to a GCS that is gone blocks
+for up to a minute, and one in flight when a new GCS starts on the address aborts its process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+from supervisor import logs
+from supervisor.events import ClusterLost
+
+if TYPE_CHECKING:
+    from supervisor.daemon import Supervisor
+
+log = logs.get_logger("vllm_supervisor.clusterwatch")
+
+INTERVAL_S = 0.2
+CONNECT_TIMEOUT_S = 1.0
+
+
+def split_address(address: str) -> tuple[str, int] | None:
+    """``host:port`` (the GCS address Ray reports) → (host, port); None for anything else."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        return None
+    return host.strip("[]"), int(port)
+
+
+async def listening(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> str | None:
+    """None when something accepts a TCP connection at ``address``, else what went wrong."""
+    target = split_address(address)
+    if target is None:
+        return None  # not a host:port (a Ray client address): nothing to watch
+    try:
+        async with asyncio.timeout(timeout_s):
+            _, writer = await asyncio.open_connection(*target)
+    except TimeoutError:
+        return f"no answer from {address} within {timeout_s:g} s"
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    writer.close()
+    try:
+        await writer.wait_closed()
+    except OSError:
+        pass
+    return None
+
+
+class ClusterWatch:
+    def __init__(self, sup: "Supervisor"):
+        self.sup = sup
+        self.down_since: float | None = None  # first failed check of the current outage
+
+    async def run(self) -> None:
+        sup = self.sup
+        while True:
+            await asyncio.sleep(INTERVAL_S)
+            builder = sup.builder
+            address = builder.gcs_address
+            if not address or builder.cluster_lost or sup.state.terminal:
+                self.down_since = None
+                continue
+            problem = await listening(address)
+            if problem is None:
+                self.down_since = None
+                continue
+            now = time.monotonic()
+            if self.down_since is None:
+                self.down_since = now
+                log.warning("ray gcs not answering", address=address, problem=problem)
+            if now - self.down_since >= sup.settings.ray.gcs_lost_after_s and not builder.cluster_lost:
+                sup.post(ClusterLost(address, problem, self.down_since))  # the owner ignores repeats
+                self.down_since = None
