@@ -26,6 +26,7 @@ import multiprocessing
 import multiprocessing.managers
 import os
 import signal
+import threading
 import time
 from typing import Any
 
@@ -48,8 +49,25 @@ class RayService:
         self.handles: dict[str, tuple[str, Any]] = {}  # actor id -> (name, handle): standbys we created
 
     def connect(self) -> tuple[str, bool]:
-        address = self.cluster.connect()
-        return address, self.cluster.started_local
+        """``ray.init`` on a thread that lives as long as the agent: Ray starts a private
+        cluster's GCS and raylet with a parent-death signal, which fires when the *thread* that
+        started them ends (a connection's server thread ends with its connection)."""
+        done: dict[str, Any] = {}
+        ready = threading.Event()
+
+        def run() -> None:
+            try:
+                done["address"] = self.cluster.connect()
+            except BaseException as exc:  # handed to the caller
+                done["error"] = exc
+            ready.set()
+            threading.Event().wait()  # keep the thread (and the cluster it started)
+
+        threading.Thread(target=run, name="ray-driver", daemon=True).start()
+        ready.wait()
+        if "error" in done:
+            raise done["error"]
+        return done["address"], self.cluster.started_local
 
     def shutdown(self) -> None:
         self.handles.clear()
@@ -78,12 +96,13 @@ class RayService:
 
     def kill_instance_actors(self, instance_id: str) -> list[str]:
         from executor.cluster import names_instance
+        from executor.standby import kill
 
-        killed = self.cluster.kill_instance_actors(instance_id)
-        for actor_id, (name, _) in list(self.handles.items()):  # adopted standbys: killed with their engine
-            if names_instance(name, instance_id):
-                del self.handles[actor_id]
-        return killed
+        # Adopted standbys first, by handle (and their handles dropped: Ray ends an actor whose
+        # creator holds none), so that a failing kill by name below cannot keep them.
+        adopted = [a for a, (name, _) in self.handles.items() if names_instance(name, instance_id)]
+        kill([self.handles.pop(a)[1] for a in adopted])
+        return self.cluster.kill_instance_actors(instance_id)
 
     # --- the warm standby's workers (executor.standby) ----------------------------------
 
@@ -117,11 +136,19 @@ class _Manager(multiprocessing.managers.BaseManager):
 _Manager.register("RayService", RayService)
 
 
-def _agent_init() -> None:
+def _agent_init(daemon_pid: int) -> None:
     """In the agent, before it serves: a terminal's Ctrl-C and SIGHUP are the daemon's to
-    handle (it drains, then stops the agent), not the agent's."""
+    handle (it drains, then stops the agent), not the agent's; and the agent ends when the
+    daemon is gone (the crash reaper kills it too; this covers a daemon run without one)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+    def exit_with_the_daemon() -> None:
+        while os.getppid() == daemon_pid:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=exit_with_the_daemon, name="parent-watch", daemon=True).start()
     try:
         import setproctitle
 
@@ -152,10 +179,11 @@ class RayAgent:
         ``RAY_ADDRESS`` so that vLLM's engine-core process joins the same cluster."""
         from executor.cluster import private_token
 
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # for the engine cores too
         if not self.settings.address:
             private_token()  # in this process's environment: the agent and the engine cores inherit it
-        manager = _Manager(ctx=multiprocessing.get_context("spawn"))
-        manager.start(initializer=_agent_init)
+        manager = _Manager(ctx=multiprocessing.get_context("spawn"), shutdown_timeout=30.0)
+        manager.start(initializer=_agent_init, initargs=(os.getpid(),))
         self._manager = manager
         self._service = manager.RayService(self.settings.model_dump())
         self.address, self.started_local = self.call("connect")
@@ -170,6 +198,9 @@ class RayAgent:
             return getattr(service, method)(*args)
         except (EOFError, OSError) as exc:  # OSError: a broken or refused connection (or Ray's own)
             if self._service is not None and self.alive():
+                if isinstance(exc, (EOFError, BrokenPipeError, ConnectionError)):
+                    # this thread's connection broke, not the agent: the next call makes a new one
+                    service._tls.__dict__.pop("connection", None)
                 raise
             raise AgentGone(f"the Ray agent is gone ({type(exc).__name__}: {exc})") from exc
 
@@ -177,36 +208,43 @@ class RayAgent:
         manager = self._manager
         return manager is not None and manager._process.is_alive()
 
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """Disconnect from Ray (a private cluster stops with it), then end the agent."""
+    def stop(self) -> None:
+        """Disconnect from Ray (a private cluster stops with it), then end the agent (30 s,
+        then SIGTERM, then SIGKILL: multiprocessing's staged shutdown) and whatever it left."""
+        tree = self._tree()
         try:
             self.call("shutdown")
         finally:
-            self._service = None
+            service, self._service = self._service, None
             manager, self._manager = self._manager, None
             if manager is not None:
                 manager.shutdown()
-                if manager._process.is_alive():
-                    manager._process.join(timeout_s)
-                if manager._process.is_alive():
-                    self._kill_tree(manager._process.pid)
+            self._reap(tree)
+            del service  # after shutdown: no decref round trip to a stopping agent
 
     def kill(self) -> list[int]:
         """The cluster is gone: SIGKILL the agent and what it started (a private cluster's
         processes), without a word to Ray. Returns the pids killed."""
-        self._service = None
+        service, self._service = self._service, None  # calls in flight now raise AgentGone
         manager, self._manager = self._manager, None
         if manager is None:
             return []
-        killed = self._kill_tree(manager._process.pid)
+        killed = self._reap(self._tree(manager))
         manager.shutdown()  # the process is dead: this only joins it and drops the manager's state
+        del service  # after the manager is shut down: its proxy does not call the dead agent
         return killed
 
-    @staticmethod
-    def _kill_tree(pid: int) -> list[int]:
-        from executor.reaper import descendants, reap, start_time
+    def _tree(self, manager: Any = None) -> set[tuple[int, int]]:
+        """(pid, start time) of the agent and its descendants, while they run."""
+        from executor.reaper import descendants, start_time
 
-        st = start_time(pid)
-        if st is None:
-            return []
-        return reap({(pid, st)} | descendants(pid))
+        manager = manager or self._manager
+        pid = manager._process.pid if manager is not None else None
+        st = start_time(pid) if pid else None
+        return set() if st is None else {(pid, st)} | descendants(pid)
+
+    @staticmethod
+    def _reap(tree: set[tuple[int, int]]) -> list[int]:
+        from executor.reaper import reap
+
+        return reap(tree) if tree else []

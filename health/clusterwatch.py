@@ -1,4 +1,5 @@
-"""The cluster watch: finds a lost Ray GCS within about a second, without asking Ray.
+"""The cluster watch: finds a lost Ray GCS within about a second, without asking Ray, and a
+Ray agent that died on its own (OOM, a crash): both are a ``ClusterLost``.
 
 Every ``INTERVAL_S`` the daemon opens (and closes) a TCP connection to the GCS address it is
 connected to, on its event loop. A GCS that refuses or does not accept for
@@ -68,6 +69,10 @@ class ClusterWatch:
             if not address or builder.cluster_lost or sup.state.terminal:
                 self.down_since = None
                 continue
+            agent_pid = getattr(builder.cluster, "pid", None)
+            if not builder.agent_alive():
+                sup.post(ClusterLost(address, "the Ray agent died", time.monotonic(), agent_pid))
+                continue
             problem = await listening(address)
             if problem is None:
                 self.down_since = None
@@ -77,5 +82,5 @@ class ClusterWatch:
                 self.down_since = now
                 log.warning("ray gcs not answering", address=address, problem=problem)
             if now - self.down_since >= sup.settings.ray.gcs_lost_after_s and not builder.cluster_lost:
-                sup.post(ClusterLost(address, problem, self.down_since))  # the owner ignores repeats
+                sup.post(ClusterLost(address, problem, self.down_since, agent_pid))  # the owner ignores repeats
                 self.down_since = None

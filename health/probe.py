@@ -1,7 +1,8 @@
 """The engine probe: finds an engine that is dead, hung, or whose Ray cluster is gone.
 
 Every ``probe_interval_s`` while READY: the engine says it errored; the Ray cluster does not
-answer; no token for ``hang_timeout_s`` while streams run (new arrivals cannot hide a
+answer a Ray call (a hung GCS: its port still accepts, so ``health.clusterwatch`` sees nothing;
+reported as ``ClusterLost``); no token for ``hang_timeout_s`` while streams run (new arrivals cannot hide a
 hang); or, idle, a one-token canary slower than ``probe_timeout_s``.
 ``probe_failure_threshold`` consecutive failures make one ``EngineFailed``.
 """
@@ -13,7 +14,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from supervisor import aio, logs
-from supervisor.events import EngineFailed
+from supervisor.events import ClusterLost, EngineFailed
 from supervisor.generation import Interrupted
 from supervisor.states import State
 
@@ -58,8 +59,10 @@ class EngineProbe:
             log.warning("probe failed", problem=problem, consecutive=self.failures)
             if self.failures >= sup.cfg.probe_failure_threshold and gen is sup.current and not gen.failed:
                 self.failures = 0
-                reason = "ray_lost" if problem.startswith("ray cluster") else "hang"
-                sup.post(EngineFailed(gen.number, reason, problem, kill_workers=True))
+                if problem.startswith("ray cluster"):  # a GCS that accepts but does not answer: lost too
+                    sup.post(ClusterLost(sup.builder.gcs_address, problem, agent_pid=getattr(sup.builder.cluster, "pid", None)))
+                else:
+                    sup.post(EngineFailed(gen.number, "hang", problem, kill_workers=True))
 
     async def check(self, gen: Any) -> str | None:
         sup, cfg = self.sup, self.sup.cfg

@@ -27,6 +27,7 @@ class EngineBuilder:
         self.event_endpoint = event_endpoint
         self.cluster: Any = None  # executor.rayagent.RayAgent once Ray is used
         self.cluster_lost = False  # the agent was killed: its GCS went away (reconnect_ray)
+        self.released = False  # the stop released the cluster
         self.placement_group: Any = None
         self.model_path = ""
         self.served_model_name = ""
@@ -211,6 +212,7 @@ class EngineBuilder:
     def release_cluster(self) -> None:
         if self.cluster is None or self.cluster_lost:
             return
+        self.released = True  # from now on a GCS that stops listening is ours going (private cluster)
         if self.placement_group is not None:
             self.cluster.call("remove_placement_group", self.placement_group)
             self.placement_group = None
@@ -221,8 +223,12 @@ class EngineBuilder:
 
     @property
     def gcs_address(self) -> str:
-        """The GCS the daemon is connected to ("" without Ray)."""
-        return self.cluster.address if self.cluster is not None else ""
+        """The GCS the daemon is connected to ("" without Ray, and once released)."""
+        return self.cluster.address if self.cluster is not None and not self.released else ""
+
+    def agent_alive(self) -> bool:
+        alive = getattr(self.cluster, "alive", None)
+        return alive is None or alive()
 
     def lose_cluster(self) -> list[int]:
         """The GCS went away: kill the agent (and a private cluster's processes) before a
@@ -267,4 +273,9 @@ class EngineBuilder:
         return self.cluster.call("workers", instance_id)
 
     def reachable(self) -> bool:
-        return self.cluster is None or self.cluster.call("reachable")
+        if self.cluster is None:
+            return True
+        try:
+            return self.cluster.call("reachable")
+        except Exception:  # the agent gone or Ray raising: not reachable
+            return False

@@ -32,6 +32,7 @@ class ClusterLost:
     address: str
     detail: str
     detected_monotonic: float = field(default_factory=time.monotonic)
+    agent_pid: int | None = None  # the Ray agent that lost it (a report about an older agent is ignored)
 
 
 @dataclass(frozen=True)

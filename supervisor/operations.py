@@ -48,7 +48,10 @@ class Operations:
                 return {"ok": False, "error": f"rank {rank} out of range (world size {self.builder.world_size})"}
             if self.builder.cluster is None:
                 return {"ok": False, "error": "kill-worker needs the ray executor"}
-            killed = await asyncio.to_thread(self.builder.kill_worker, gen.instance_id, rank)
+            try:
+                killed = await asyncio.to_thread(self.builder.kill_worker, gen.instance_id, rank)
+            except Exception as exc:  # the Ray agent gone (cluster lost) or Ray raising
+                return {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
             return {"ok": bool(killed), "killed": killed, **({} if killed else {"error": "actor not found"})}
         return {"ok": False, "error": f"unknown command {cmd!r}"}
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from health.metrics import death_cause
 from supervisor import aio, logs
-from health.clusterwatch import listening
+from health.clusterwatch import listening, split_address
 from supervisor.events import ClusterLost, EngineFailed, RecoveryFinished, StopFinished
 from supervisor.generation import Generation
 from supervisor.policy import backoff_s
@@ -98,8 +98,11 @@ class Lifecycle:
         """Kill the Ray agent before a new GCS can answer it, forget the standby's workers
         (they went with the cluster) and fail the serving generation; the recovery waits for
         the cluster in ``_await_cluster``."""
-        if self.builder.cluster_lost or self.builder.cluster is None or self.state.terminal:
+        agent_pid = getattr(self.builder.cluster, "pid", None)
+        if (self.builder.cluster_lost or self.builder.cluster is None or self.state.terminal
+                or self.builder.released or (event.agent_pid is not None and event.agent_pid != agent_pid)):
             return
+        building = self._building  # its engine core lost the cluster too (captured before the awaits)
         timeout = self.settings.ray.reconnect_timeout_s
         log.error("ray cluster lost", address=event.address, detail=event.detail, reconnect_timeout_s=timeout,
                   detect_ms=round((time.monotonic() - event.detected_monotonic) * 1000, 1))
@@ -107,8 +110,8 @@ class Lifecycle:
         self.metrics.ray_connected.set(0)
         await asyncio.to_thread(self.builder.lose_cluster)
         await self.standby.cluster_lost()
-        if self._building is not None:  # its engine core lost the cluster too
-            self._doomed.add(self._building)
+        if building is not None:
+            self._doomed.add(building)
         reason = f"ray cluster lost ({event.address}: {event.detail}); waiting up to {timeout:g} s for it"
         gen = self.current
         if gen is not None and not gen.failed and self.state is not State.STOPPING:
@@ -121,7 +124,11 @@ class Lifecycle:
         started anew at once), then connect a new agent. Returns (ok, detail)."""
         timeout = self.settings.ray.reconnect_timeout_s
         lost_at = self.cluster_lost_monotonic or time.monotonic()
-        address, private = self.builder.gcs_address, self.builder.cluster.started_local
+        private = self.builder.cluster.started_local
+        # The configured host:port when there is one (a head that returns on a new IP behind a
+        # name), else the address Ray reported (``auto``).
+        configured = self.settings.ray.address
+        address = configured if split_address(configured) else self.builder.gcs_address
         while time.monotonic() < lost_at + timeout:
             if self.state is State.STOPPING:
                 return True, "stopping"

@@ -146,7 +146,10 @@ class Standby:
     async def stop(self) -> None:
         async with self._creating:
             await self._cancel()
-        await self._discard_workers()
+        try:
+            await self._discard_workers()
+        except Exception as exc:  # the Ray agent gone: the workers went with it or its job
+            log.warning("could not kill the standby's workers", error=str(exc)[:300])
         if self.state is not StandbyState.OFF:
             self._to(StandbyState.OFF, "stopping")
         if self.enabled:

@@ -155,7 +155,11 @@ class FakeBuilder:
         pass
 
     gcs_address = ""  # the cluster-loss tests point it at a TCP server of their own
-    cluster_lost = False
+    cluster_lost = released = False
+    agent_up = True
+
+    def agent_alive(self):
+        return self.agent_up
 
     def connect_ray(self):
         self.cluster = SimpleNamespace(started_local=False, reachable=lambda: True, pid=None)
@@ -168,6 +172,7 @@ class FakeBuilder:
 
     def reconnect_ray(self):
         self.connect_ray()
+        self.agent_up = True
 
     def ensure_placement_group(self):
         pass
@@ -699,6 +704,25 @@ def test_a_gcs_blip_shorter_than_gcs_lost_after_s_is_not_a_loss(tmp_path):
         await gcs.start()
         await asyncio.sleep(2.0)
         assert sup.state is State.READY and sup.generation_number == 1 and not builder.cluster_lost
+        sup.post(SignalReceived(signal.SIGTERM))
+        assert await owner == 0
+        await gcs.stop()
+
+    run(scenario())
+
+
+def test_a_ray_agent_that_dies_on_its_own_is_replaced(tmp_path):
+    async def scenario():
+        gcs = await FakeGcs().start()  # the GCS keeps listening: only the agent died (OOM, crash)
+        builder = FakeBuilder()
+        builder.gcs_address = gcs.address
+        sup = FakeSupervisor(settings_with_ray(tmp_path, reconnect_timeout_s=10), builder=builder)
+        owner = asyncio.create_task(sup.run())
+        await wait_for(lambda: sup.state is State.READY)
+        builder.agent_up = False
+        await wait_for(lambda: sup.state is State.READY and sup.generation_number == 2, 10)
+        assert builder.connects == 2 and sup.recoveries[-1]["reason"] == "ray_lost"
+        assert "the Ray agent died" in sup.recoveries[-1]["detail"]
         sup.post(SignalReceived(signal.SIGTERM))
         assert await owner == 0
         await gcs.stop()
