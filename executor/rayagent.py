@@ -31,6 +31,7 @@ import time
 from typing import Any
 
 from config import RaySettings
+from executor.cluster import RayCluster, names_instance, private_token
 
 AGENT_TITLE = "vllm-supervisor: ray agent"
 
@@ -39,25 +40,25 @@ class AgentGone(RuntimeError):
     """The agent process was killed (cluster lost) or died while a call was in flight."""
 
 
-class RayService:
-    """The object the agent serves: the cluster connection and the standby's handles."""
+class RayService(RayCluster):
+    """The object the agent serves: ``RayCluster``'s calls, ``ray.init`` on a thread of its
+    own, and the standby's actor handles."""
 
     def __init__(self, settings: dict):
-        from executor.cluster import RayCluster
-
-        self.cluster = RayCluster(RaySettings(**settings))
+        super().__init__(RaySettings(**settings))
         self.handles: dict[str, tuple[str, Any]] = {}  # actor id -> (name, handle): standbys we created
 
-    def connect(self) -> tuple[str, bool]:
-        """``ray.init`` on a thread that lives as long as the agent: Ray starts a private
+    def start_driver(self) -> tuple[str, bool]:
+        """``connect`` on a thread that lives as long as the agent: Ray starts a private
         cluster's GCS and raylet with a parent-death signal, which fires when the *thread* that
-        started them ends (a connection's server thread ends with its connection)."""
+        started them ends (a connection's server thread ends with its connection). Returns
+        the GCS address and whether a private cluster was started."""
         done: dict[str, Any] = {}
         ready = threading.Event()
 
         def run() -> None:
             try:
-                done["address"] = self.cluster.connect()
+                done["address"] = self.connect()
             except BaseException as exc:  # handed to the caller
                 done["error"] = exc
             ready.set()
@@ -67,42 +68,20 @@ class RayService:
         ready.wait()
         if "error" in done:
             raise done["error"]
-        return done["address"], self.cluster.started_local
+        return done["address"], self.started_local
 
     def shutdown(self) -> None:
         self.handles.clear()
-        self.cluster.shutdown()
-
-    def reachable(self) -> bool:
-        return self.cluster.reachable()
-
-    def create_placement_group(self, name: str, num_bundles: int, device: str) -> Any:
-        return self.cluster.create_placement_group(name, num_bundles, device)
-
-    def placement_group_ready(self, pg: Any) -> bool:
-        return self.cluster.placement_group_ready(pg)
-
-    def remove_placement_group(self, pg: Any) -> None:
-        self.cluster.remove_placement_group(pg)
-
-    def remove_leftovers(self, daemon_id: str) -> dict[str, list[str]]:
-        return self.cluster.remove_leftovers(daemon_id)
-
-    def workers(self, instance_id: str) -> list[dict]:
-        return self.cluster.workers(instance_id)
-
-    def kill_actor_exact(self, name: str) -> list[str]:
-        return self.cluster.kill_actor_exact(name)
+        super().shutdown()
 
     def kill_instance_actors(self, instance_id: str) -> list[str]:
-        from executor.cluster import names_instance
         from executor.standby import kill
 
         # Adopted standbys first, by handle (and their handles dropped: Ray ends an actor whose
         # creator holds none), so that a failing kill by name below cannot keep them.
         adopted = [a for a, (name, _) in self.handles.items() if names_instance(name, instance_id)]
         kill([self.handles.pop(a)[1] for a in adopted])
-        return self.cluster.kill_instance_actors(instance_id)
+        return super().kill_instance_actors(instance_id)
 
     # --- the warm standby's workers (executor.standby) ----------------------------------
 
@@ -177,8 +156,6 @@ class RayAgent:
     def start(self) -> str:
         """Start the agent and connect it to Ray; returns the GCS address. Exports
         ``RAY_ADDRESS`` so that vLLM's engine-core process joins the same cluster."""
-        from executor.cluster import private_token
-
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # for the engine cores too
         if not self.settings.address:
             private_token()  # in this process's environment: the agent and the engine cores inherit it
@@ -186,7 +163,7 @@ class RayAgent:
         manager.start(initializer=_agent_init, initargs=(os.getpid(),))
         self._manager = manager
         self._service = manager.RayService(self.settings.model_dump())
-        self.address, self.started_local = self.call("connect")
+        self.address, self.started_local = self.call("start_driver")
         os.environ["RAY_ADDRESS"] = self.address
         return self.address
 

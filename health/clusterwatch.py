@@ -69,7 +69,7 @@ class ClusterWatch:
             if not address or builder.cluster_lost or sup.state.terminal:
                 self.down_since = None
                 continue
-            agent_pid = getattr(builder.cluster, "pid", None)
+            agent_pid = builder.agent_pid
             if not builder.agent_alive():
                 sup.post(ClusterLost(address, "the Ray agent died", time.monotonic(), agent_pid))
                 continue

@@ -60,7 +60,7 @@ class EngineProbe:
             if self.failures >= sup.cfg.probe_failure_threshold and gen is sup.current and not gen.failed:
                 self.failures = 0
                 if problem.startswith("ray cluster"):  # a GCS that accepts but does not answer: lost too
-                    sup.post(ClusterLost(sup.builder.gcs_address, problem, agent_pid=getattr(sup.builder.cluster, "pid", None)))
+                    sup.post(ClusterLost(sup.builder.gcs_address, problem, agent_pid=sup.builder.agent_pid))
                 else:
                     sup.post(EngineFailed(gen.number, "hang", problem, kill_workers=True))
 

@@ -26,7 +26,7 @@ class EngineBuilder:
         self.daemon_id = daemon_id
         self.event_endpoint = event_endpoint
         self.cluster: Any = None  # executor.rayagent.RayAgent once Ray is used
-        self.cluster_lost = False  # the agent was killed: its GCS went away (reconnect_ray)
+        self.cluster_lost = False  # the agent was killed: its GCS went away (connect_ray again)
         self.released = False  # the stop released the cluster
         self.placement_group: Any = None
         self.model_path = ""
@@ -226,9 +226,12 @@ class EngineBuilder:
         """The GCS the daemon is connected to ("" without Ray, and once released)."""
         return self.cluster.address if self.cluster is not None and not self.released else ""
 
+    @property
+    def agent_pid(self) -> int | None:
+        return self.cluster.pid if self.cluster is not None else None
+
     def agent_alive(self) -> bool:
-        alive = getattr(self.cluster, "alive", None)
-        return alive is None or alive()
+        return self.cluster is None or self.cluster.alive()
 
     def lose_cluster(self) -> list[int]:
         """The GCS went away: kill the agent (and a private cluster's processes) before a
@@ -240,10 +243,6 @@ class EngineBuilder:
         killed = self.cluster.kill()
         log.warning("ray agent killed: the cluster is lost", killed_pids=killed)
         return killed
-
-    def reconnect_ray(self) -> None:
-        """A new agent, connected to the cluster at the same address (or a new private one)."""
-        self.connect_ray()
 
     def kill_actors(self, instance_id: str) -> list[str]:
         if self.cluster is None or self.cluster_lost:  # lost: its actors went with the cluster

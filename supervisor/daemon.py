@@ -273,7 +273,7 @@ class Supervisor(Lifecycle, Operations):
         b, lost = self.builder, self.cluster_lost_monotonic
         return {"gcs_address": b.gcs_address, "connected": b.cluster is not None and not b.cluster_lost,
                 "lost_for_s": None if lost is None else round(time.monotonic() - lost, 1),
-                "agent_pid": getattr(b.cluster, "pid", None)}
+                "agent_pid": b.agent_pid}
 
     async def full_status(self) -> dict[str, Any]:
         """``status()`` plus the workers (rank, actor, pid, node) from Ray."""

@@ -98,9 +98,8 @@ class Lifecycle:
         """Kill the Ray agent before a new GCS can answer it, forget the standby's workers
         (they went with the cluster) and fail the serving generation; the recovery waits for
         the cluster in ``_await_cluster``."""
-        agent_pid = getattr(self.builder.cluster, "pid", None)
         if (self.builder.cluster_lost or self.builder.cluster is None or self.state.terminal
-                or self.builder.released or (event.agent_pid is not None and event.agent_pid != agent_pid)):
+                or self.builder.released or (event.agent_pid is not None and event.agent_pid != self.builder.agent_pid)):
             return
         building = self._building  # its engine core lost the cluster too (captured before the awaits)
         timeout = self.settings.ray.reconnect_timeout_s
@@ -134,7 +133,7 @@ class Lifecycle:
                 return True, "stopping"
             if private or await listening(address) is None:
                 try:
-                    await asyncio.to_thread(self.builder.reconnect_ray)
+                    await asyncio.to_thread(self.builder.connect_ray)  # a new agent
                 except Exception as exc:  # the GCS listens before its node is up: try again
                     log.warning("ray reconnect failed; retrying", error=f"{type(exc).__name__}: {exc}"[:300])
                     await asyncio.sleep(1.0)

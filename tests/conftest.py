@@ -1,5 +1,6 @@
 """Fixtures shared by the integration and chaos tiers."""
 
+import contextlib
 import os
 import secrets
 import socket
@@ -19,9 +20,9 @@ from chaos import inject  # noqa: E402
 from chaos.harness import RayHead  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def ray_head():
-    """A private Ray head (``ray start --head``) per test module, stopped by marker afterwards."""
+@contextlib.contextmanager
+def running_ray_head():
+    """A private Ray head (``ray start --head``), stopped by marker afterwards."""
     head = RayHead(num_cpus=2).start()
     try:
         yield head
@@ -30,6 +31,20 @@ def ray_head():
             inject.disconnect()  # the test process may have connected to inject faults
         finally:
             head.stop()
+
+
+@pytest.fixture(scope="module")
+def ray_head():
+    """A head per test module."""
+    with running_ray_head() as head:
+        yield head
+
+
+@pytest.fixture
+def own_ray_head():
+    """A head for one test only (one that stops or restarts it)."""
+    with running_ray_head() as head:
+        yield head
 
 
 @pytest.fixture(scope="module")

@@ -29,19 +29,6 @@ MAX_TOKENS = 400
 STREAMS = 6
 
 
-@pytest.fixture
-def head():
-    """A head of this test's own: the test stops it (the module's shared head must live)."""
-    head = RayHead(num_cpus=2).start()
-    try:
-        yield head
-    finally:
-        try:
-            inject.disconnect()
-        finally:
-            head.stop()
-
-
 def start_daemon(workdir, head: RayHead, reconnect_timeout_s: float) -> Daemon:
     config = {
         "engine": {"max_model_len": 1024},
@@ -67,7 +54,8 @@ def watch_while_lost(daemon: Daemon, seconds: float) -> list[tuple[int, int, str
     return seen
 
 
-def test_head_lost_and_back_streams_continue_exactly(tmp_path, head):
+def test_head_lost_and_back_streams_continue_exactly(tmp_path, own_ray_head):
+    head = own_ray_head  # this test stops and restarts it
     with start_daemon(tmp_path, head, reconnect_timeout_s=120) as daemon:
         daemon.wait_ready()
         before = daemon.wait_standby()  # the standby's workers go with the cluster too
@@ -120,7 +108,8 @@ def test_head_lost_and_back_streams_continue_exactly(tmp_path, head):
         assert inject.inspect(head.address) == {"placement_groups": [], "actors": []}
 
 
-def test_head_not_back_before_the_deadline_exits_75(tmp_path, head):
+def test_head_not_back_before_the_deadline_exits_75(tmp_path, own_ray_head):
+    head = own_ray_head  # this test stops it
     with start_daemon(tmp_path, head, reconnect_timeout_s=10) as daemon:
         daemon.wait_ready()
         daemon.remember()

@@ -157,22 +157,21 @@ class FakeBuilder:
     gcs_address = ""  # the cluster-loss tests point it at a TCP server of their own
     cluster_lost = released = False
     agent_up = True
+    agent_pid = None
 
     def agent_alive(self):
         return self.agent_up
 
     def connect_ray(self):
-        self.cluster = SimpleNamespace(started_local=False, reachable=lambda: True, pid=None)
+        self.cluster = SimpleNamespace(started_local=False, reachable=lambda: True)
         self.cluster_lost = False
+        self.agent_up = True
         self.connects = getattr(self, "connects", 0) + 1
 
     def lose_cluster(self):
         self.cluster_lost = True
         return []
 
-    def reconnect_ray(self):
-        self.connect_ray()
-        self.agent_up = True
 
     def ensure_placement_group(self):
         pass
@@ -634,14 +633,20 @@ def settings_with_ray(tmp_path, **ray):
     return base.model_copy(update={"ray": base.ray.model_copy(update=ray)})
 
 
+async def serving_beside_a_gcs(tmp_path, **ray):
+    """A fake GCS listening, and a READY daemon watching it: (gcs, builder, sup, owner task)."""
+    gcs = await FakeGcs().start()
+    builder = FakeBuilder()
+    builder.gcs_address = gcs.address
+    sup = FakeSupervisor(settings_with_ray(tmp_path, **ray), builder=builder)
+    owner = asyncio.create_task(sup.run())
+    await wait_for(lambda: sup.state is State.READY)
+    return gcs, builder, sup, owner
+
+
 def test_lost_gcs_parks_streams_and_the_rebuild_waits_until_it_listens_again(tmp_path):
     async def scenario():
-        gcs = await FakeGcs().start()
-        builder = FakeBuilder()
-        builder.gcs_address = gcs.address
-        sup = FakeSupervisor(settings_with_ray(tmp_path, gcs_lost_after_s=0.3, reconnect_timeout_s=30), builder=builder)
-        owner = asyncio.create_task(sup.run())
-        await wait_for(lambda: sup.state is State.READY)
+        gcs, builder, sup, owner = await serving_beside_a_gcs(tmp_path, gcs_lost_after_s=0.3, reconnect_timeout_s=30)
         assert sup.ray_status()["connected"] and builder.connects == 1
         lost = asyncio.Event()
 
@@ -675,12 +680,7 @@ def test_lost_gcs_parks_streams_and_the_rebuild_waits_until_it_listens_again(tmp
 
 def test_gcs_not_back_before_the_deadline_exits_75(tmp_path):
     async def scenario():
-        gcs = await FakeGcs().start()
-        builder = FakeBuilder()
-        builder.gcs_address = gcs.address
-        sup = FakeSupervisor(settings_with_ray(tmp_path, gcs_lost_after_s=0.2, reconnect_timeout_s=1.5), builder=builder)
-        owner = asyncio.create_task(sup.run())
-        await wait_for(lambda: sup.state is State.READY)
+        gcs, builder, sup, owner = await serving_beside_a_gcs(tmp_path, gcs_lost_after_s=0.2, reconnect_timeout_s=1.5)
         await gcs.stop()
         started = time.monotonic()
         assert await asyncio.wait_for(owner, 10) == 75
@@ -693,12 +693,7 @@ def test_gcs_not_back_before_the_deadline_exits_75(tmp_path):
 
 def test_a_gcs_blip_shorter_than_gcs_lost_after_s_is_not_a_loss(tmp_path):
     async def scenario():
-        gcs = await FakeGcs().start()
-        builder = FakeBuilder()
-        builder.gcs_address = gcs.address
-        sup = FakeSupervisor(settings_with_ray(tmp_path, gcs_lost_after_s=2.0), builder=builder)
-        owner = asyncio.create_task(sup.run())
-        await wait_for(lambda: sup.state is State.READY)
+        gcs, builder, sup, owner = await serving_beside_a_gcs(tmp_path, gcs_lost_after_s=2.0)
         await gcs.stop()
         await asyncio.sleep(0.8)
         await gcs.start()
@@ -713,12 +708,7 @@ def test_a_gcs_blip_shorter_than_gcs_lost_after_s_is_not_a_loss(tmp_path):
 
 def test_a_ray_agent_that_dies_on_its_own_is_replaced(tmp_path):
     async def scenario():
-        gcs = await FakeGcs().start()  # the GCS keeps listening: only the agent died (OOM, crash)
-        builder = FakeBuilder()
-        builder.gcs_address = gcs.address
-        sup = FakeSupervisor(settings_with_ray(tmp_path, reconnect_timeout_s=10), builder=builder)
-        owner = asyncio.create_task(sup.run())
-        await wait_for(lambda: sup.state is State.READY)
+        gcs, builder, sup, owner = await serving_beside_a_gcs(tmp_path, reconnect_timeout_s=10)  # the GCS keeps listening: only the agent died (OOM, crash)
         builder.agent_up = False
         await wait_for(lambda: sup.state is State.READY and sup.generation_number == 2, 10)
         assert builder.connects == 2 and sup.recoveries[-1]["reason"] == "ray_lost"
