@@ -111,6 +111,8 @@ class SupervisorSettings(_Section):
     probe_timeout_s: float = Field(10.0, gt=0)
     hang_timeout_s: float = Field(30.0, gt=0)
     probe_failure_threshold: int = Field(2, ge=1)
+    replicas: int = Field(
+        1, ge=1, le=64, description="engine replicas, each with its own workers; a failed one's streams move to the others")
     standby: Literal["none", "warm"] = Field(
         "warm", description="warm: prepare the next generation's engine-core process and worker actors while this one serves")
     control_socket: str = Field("", description="Control socket path; empty = $RUNTIME_DIRECTORY/control.sock, else /tmp/vllm-supervisor-<port>.sock")

@@ -1,4 +1,4 @@
-"""The Ray connection, the engine's placement group, and actor clean-up.
+"""The Ray connection, each replica's placement group, and actor clean-up.
 
 Every function here blocks (they call Ray): the supervisor runs them in worker
 threads, never on its event loop.
@@ -11,13 +11,16 @@ from dataclasses import dataclass
 
 import ray
 import tenacity
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import NODE_ID_LABEL_KEY, PlacementGroup, placement_group, remove_placement_group
 
 from config import RaySettings
 
 
 class PlacementGroupTimeout(RuntimeError):
     """The placement group could not be placed before its deadline."""
+
+
+SPREAD_WAIT_S = 5.0  # how long a replica's group waits for a node of its own before it may share one
 
 
 @dataclass
@@ -67,13 +70,27 @@ class RayCluster:
 
     # --- placement group -----------------------------------------------------------
 
-    def create_placement_group(self, name: str, num_bundles: int, device: str) -> PlacementGroup:
+    def create_placement_group(self, name: str, num_bundles: int, device: str,
+                               others: list[PlacementGroup] | tuple = ()) -> PlacementGroup:
         """One bundle per worker ({"CPU": 1} or {"GPU": 1}); waits until it is placed.
+
+        Replicas spread across nodes: when ``others`` (the other replicas' groups) hold
+        nodes and another alive node is big enough, the group first asks (a bundle label
+        selector on ``ray.io/node-id``) for nodes the others do not use, for up to
+        ``SPREAD_WAIT_S``; then it may share a node like any group.
 
         Waiting retries with exponential backoff and jitter up to
         ``placement_timeout_s``; on timeout the error names what is missing.
         """
         bundles = [{device: 1.0} for _ in range(num_bundles)]
+        used = sorted({n for pg in others for n in self.placement_group_nodes(pg)})
+        if used and any(n["Alive"] and n["NodeID"] not in used and n["Resources"].get(device, 0) >= num_bundles
+                        for n in ray.nodes()):
+            avoid = [{NODE_ID_LABEL_KEY: f"!in({','.join(used)})"} for _ in bundles]
+            pg = placement_group(bundles, strategy=self.settings.placement_strategy, name=name, bundle_label_selector=avoid)
+            if pg.wait(timeout_seconds=SPREAD_WAIT_S):
+                return pg
+            remove_placement_group(pg)
         pg = placement_group(bundles, strategy=self.settings.placement_strategy, name=name)
 
         @tenacity.retry(
@@ -97,6 +114,12 @@ class RayCluster:
         return pg
 
     @staticmethod
+    def placement_group_nodes(pg: PlacementGroup) -> list[str]:
+        """The ids of the nodes its bundles are placed on."""
+        table = ray.util.placement_group_table(pg)
+        return sorted(set((table.get("bundles_to_node_id") or {}).values()))
+
+    @staticmethod
     def placement_group_ready(pg: PlacementGroup) -> bool:
         state = ray.util.placement_group_table(pg).get("state")
         return state == "CREATED"
@@ -111,7 +134,7 @@ class RayCluster:
     @classmethod
     def remove_leftovers(cls, daemon_id: str) -> dict[str, list[str]]:
         """Remove what a crashed daemon ``daemon_id`` left on this cluster: its placement
-        group (``<id>-pg``) and its named actors (workers, standbys, bundle claims). Ray
+        groups (``<id>-pg``, ``<id>-r<replica>-pg``) and its named actors (workers, standbys, bundle claims). Ray
         frees a dead driver's own actors and groups itself; the engine core's workers belong
         to another job, and a cluster may not have noticed the death yet."""
         from ray.util.placement_group import PlacementGroup
@@ -119,7 +142,8 @@ class RayCluster:
 
         groups = []
         for pg_id, info in ray.util.placement_group_table().items():
-            if info.get("name") == f"{daemon_id}-pg" and info.get("state") not in ("REMOVED", None):
+            name = info.get("name") or ""  # <id>-pg, <id>-r<replica>-pg
+            if name.startswith(f"{daemon_id}-") and name.endswith("-pg") and info.get("state") not in ("REMOVED", None):
                 remove_placement_group(PlacementGroup(PlacementGroupID.from_hex(pg_id)))
                 groups.append(pg_id)
         actors = []

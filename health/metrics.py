@@ -1,7 +1,8 @@
 """Prometheus metrics of the supervisor (prefix ``vllm_supervisor_``, base units).
 
 Every series exists from the first scrape: labelled families are initialised with all
-their label values. They live in a registry of their own: ``/metrics`` serves it after
+their label values. Each series about one engine (its generation, workers, deaths, restarts,
+recoveries, probe) carries a ``replica`` label (``--replicas``; "0" with one replica). They live in a registry of their own: ``/metrics`` serves it after
 prometheus-client's default registry (vLLM's own ``vllm:*`` series, which each new engine
 re-registers, and the process collectors), as ``vllm serve``'s ``/metrics`` does;
 ``/metrics/supervisor`` serves it alone, clean for ``promtool check metrics`` (vLLM's
@@ -60,14 +61,16 @@ class SupervisorMetrics:
         p = PREFIX
         self.registry = r = registry if registry is not None else supervisor_registry()
         self.state = Gauge(p + "state", "1 for the daemon's current lifecycle state, else 0", ["state"], registry=r)
-        self.generation = Gauge(p + "engine_generation", "Number of the engine generation serving now (0: none)", registry=r)
-        self.worker_up = Gauge(p + "worker_up", "1 while the worker actor of this rank serves", ["rank"], registry=r)
-        self.worker_deaths = Counter(p + "worker_deaths", "Worker actor deaths by cause", ["cause"], registry=r)
-        self.restarts = Counter(p + "restarts", "Engine re-creations by reason", ["reason"], registry=r)
+        self.replica_up = Gauge(p + "replica_up", "1 while this engine replica serves", ["replica"], registry=r)
+        self.generation = Gauge(p + "engine_generation", "Number of the engine generation this replica serves (0: none)",
+                                ["replica"], registry=r)
+        self.worker_up = Gauge(p + "worker_up", "1 while the worker actor of this rank serves", ["replica", "rank"], registry=r)
+        self.worker_deaths = Counter(p + "worker_deaths", "Worker actor deaths by cause", ["replica", "cause"], registry=r)
+        self.restarts = Counter(p + "restarts", "Engine re-creations by reason", ["replica", "reason"], registry=r)
         self.recovery_duration = Histogram(p + "recovery_duration_seconds", "Failure detected to new engine READY",
-                                           buckets=RECOVERY_BUCKETS, registry=r)
+                                           ["replica"], buckets=RECOVERY_BUCKETS, registry=r)
         self.recovery_phase = Histogram(p + "recovery_phase_duration_seconds", "Duration of each recovery phase",
-                                        ["phase"], buckets=PHASE_BUCKETS, registry=r)
+                                        ["replica", "phase"], buckets=PHASE_BUCKETS, registry=r)
         self.requests = Counter(p + "requests", "Finished requests by outcome", ["outcome"], registry=r)
         self.in_flight = Gauge(p + "requests_in_flight", "Requests being served, parked or queued", registry=r)
         self.parked = Gauge(p + "requests_parked", "In-flight requests waiting for the next engine", registry=r)
@@ -75,8 +78,10 @@ class SupervisorMetrics:
         self.ttft = Histogram(p + "time_to_first_token_seconds", "Request arrival to first token", buckets=TTFT_BUCKETS, registry=r)
         self.itl = Histogram(p + "inter_token_latency_seconds", "Time between tokens of a stream", buckets=ITL_BUCKETS, registry=r)
         self.e2e = Histogram(p + "request_duration_seconds", "Request arrival to last token", buckets=E2E_BUCKETS, registry=r)
-        self.probe_latency = Histogram(p + "probe_duration_seconds", "Duration of the canary generation", buckets=PROBE_BUCKETS, registry=r)
-        self.probe_last_success = Gauge(p + "probe_last_success_timestamp_seconds", "Unix time of the last successful probe", registry=r)
+        self.probe_latency = Histogram(p + "probe_duration_seconds", "Duration of the canary generation", ["replica"],
+                                       buckets=PROBE_BUCKETS, registry=r)
+        self.probe_last_success = Gauge(p + "probe_last_success_timestamp_seconds", "Unix time of the last successful probe",
+                                        ["replica"], registry=r)
         self.ray_connected = Gauge(p + "ray_connected", "1 while the daemon's Ray agent is connected to the cluster's GCS "
                                    "(0 from a lost GCS until it is back)", registry=r)
         self.standby_state = Gauge(p + "standby_state", "1 for the warm standby's current state, else 0", ["state"], registry=r)
@@ -87,39 +92,53 @@ class SupervisorMetrics:
             self.state.labels(s).set(1 if s == "starting" else 0)
         for result in ("adopted", "cold"):
             self.standby_adoptions.labels(result)
-        for rank in range(world_size):
-            self.worker_up.labels(str(rank)).set(0)
-        for c in DEATH_CAUSES:
-            self.worker_deaths.labels(c)
-        for reason in RESTART_REASONS:
-            self.restarts.labels(reason)
-        for phase in PHASES:
-            self.recovery_phase.labels(phase)
         for o in OUTCOMES:
             self.requests.labels(o)
         self.world_size = world_size
+        self.set_replicas(1)
+
+    def set_replicas(self, n: int) -> None:
+        """Create every per-replica series of replicas 0..n-1."""
+        for i in map(str, range(n)):
+            self.replica_up.labels(i).set(0)
+            self.generation.labels(i).set(0)
+            self.recovery_duration.labels(i)
+            self.probe_latency.labels(i)
+            self.probe_last_success.labels(i)
+            for rank in range(self.world_size):
+                self.worker_up.labels(i, str(rank)).set(0)
+            for c in DEATH_CAUSES:
+                self.worker_deaths.labels(i, c)
+            for reason in RESTART_REASONS:
+                self.restarts.labels(i, reason)
+            for phase in PHASES:
+                self.recovery_phase.labels(i, phase)
 
     def bind_gauges(self, in_flight: Callable[[], float], parked: Callable[[], float], queue: Callable[[], float]) -> None:
         self.in_flight.set_function(in_flight)
         self.parked.set_function(parked)
         self.queue_depth.set_function(queue)
 
-    def set_state(self, state: str, generation: int) -> None:
+    def set_state(self, state: str) -> None:
         for s in STATES:
             self.state.labels(s).set(1 if s == state else 0)
-        self.generation.set(generation)
+
+    def replica(self, index: int, up: bool, generation: int) -> None:
+        self.replica_up.labels(str(index)).set(1 if up else 0)
+        self.generation.labels(str(index)).set(generation)
+        self.workers(index, up)
 
     def set_standby(self, state: str) -> None:
         for s in STANDBY_STATES:
             self.standby_state.labels(s).set(1 if s == state else 0)
 
-    def workers(self, up: bool, ranks: Iterable[int] | None = None) -> None:
+    def workers(self, replica: int, up: bool, ranks: Iterable[int] | None = None) -> None:
         for rank in range(self.world_size) if ranks is None else ranks:
             if 0 <= rank < self.world_size:
-                self.worker_up.labels(str(rank)).set(1 if up else 0)
+                self.worker_up.labels(str(replica), str(rank)).set(1 if up else 0)
 
-    def recovery(self, total_s: float, phases: dict[str, float]) -> None:
-        self.recovery_duration.observe(total_s)
+    def recovery(self, replica: int, total_s: float, phases: dict[str, float]) -> None:
+        self.recovery_duration.labels(str(replica)).observe(total_s)
         for phase, seconds in phases.items():
             if phase in PHASES:
-                self.recovery_phase.labels(phase).observe(seconds)
+                self.recovery_phase.labels(str(replica), phase).observe(seconds)

@@ -2,13 +2,18 @@
 threads (``asyncio.to_thread``), never on the event loop.
 
 The model, the Ray connection (a child process, ``executor.rayagent``: every Ray call of the
-daemon goes through it), the placement group (kept across generations while all its bundles
-are placed), one engine generation's build and teardown, and the actor kills.
+daemon goes through it), each replica's placement group (kept across its generations while
+all its bundles are placed), one engine generation's build and teardown, and the actor kills.
+
+Builds take turns (one lock): on a small machine two engine starts at once only slow each
+other, and the shared-memory rings a build leaves are attributed to it by what appeared
+while it ran.
 """
 
 from __future__ import annotations
 
 import copy
+import threading
 import time
 from typing import Any
 
@@ -28,10 +33,12 @@ class EngineBuilder:
         self.cluster: Any = None  # executor.rayagent.RayAgent once Ray is used
         self.cluster_lost = False  # the agent was killed: its GCS went away (connect_ray again)
         self.released = False  # the stop released the cluster
-        self.placement_group: Any = None
+        self.placement_groups: dict[int, Any] = {}  # replica -> its placement group
         self.model_path = ""
         self.served_model_name = ""
         self._shm_before_build: set[str] = set()
+        self._building = threading.Lock()
+        self._shm_owned: dict[int, set[str]] = {}  # generation -> the rings its build made (until torn down)
         self.predecessor_id = ""  # a crashed daemon's id whose Ray leftovers to remove (crashrecord)
 
     @property
@@ -78,46 +85,58 @@ class EngineBuilder:
             log.warning("removed a crashed predecessor's Ray leftovers", predecessor_id=self.predecessor_id, **removed)
             self.predecessor_id = ""
 
-    def ensure_placement_group(self) -> None:
-        """Reuse the placement group while all its bundles are placed, else re-create it."""
+    def placement_group_name(self, replica: int) -> str:
+        return f"{self.daemon_id}-pg" if replica == 0 else f"{self.daemon_id}-r{replica}-pg"
+
+    def ensure_placement_group(self, replica: int = 0) -> None:
+        """Reuse the replica's placement group while all its bundles are placed, else
+        re-create it, on a node that holds no other replica's group when there is one
+        (``RayCluster.create_placement_group``)."""
         from executor.engine import is_cpu_platform
 
         if self.cluster is None:  # the mp executor: no Ray, no placement group
             return
-        if self.placement_group is not None:
-            if self.cluster.call("placement_group_ready", self.placement_group):
+        pg = self.placement_groups.get(replica)
+        if pg is not None:
+            if self.cluster.call("placement_group_ready", pg):
                 return
-            log.warning("placement group lost bundles; re-creating it")
-            self.cluster.call("remove_placement_group", self.placement_group)
-            self.placement_group = None
+            log.warning("placement group lost bundles; re-creating it", replica=replica)
+            self.cluster.call("remove_placement_group", pg)
+            del self.placement_groups[replica]
         device = "CPU" if is_cpu_platform() else "GPU"
         started = time.monotonic()
-        self.placement_group = self.cluster.call("create_placement_group", f"{self.daemon_id}-pg", self.world_size, device)
-        log.info("placement group ready", bundles=self.world_size, device=device, took_s=round(time.monotonic() - started, 3))
+        others = [g for r, g in self.placement_groups.items() if r != replica]
+        pg = self.cluster.call("create_placement_group", self.placement_group_name(replica), self.world_size, device, others)
+        self.placement_groups[replica] = pg
+        log.info("placement group ready", replica=replica, bundles=self.world_size, device=device,
+                 nodes=self.cluster.call("placement_group_nodes", pg), took_s=round(time.monotonic() - started, 3))
 
-    def build(self, number: int, standby: dict[str, Any] | None = None) -> Generation:
-        """Build generation ``number``; ``standby`` (``Standby.claim``'s answer) says what it
-        may adopt: the fork server for its engine core, standby workers from a namespace."""
+    def build(self, number: int, standby: dict[str, Any] | None = None, replica: int = 0) -> Generation:
+        """Build generation ``number`` of ``replica``; ``standby`` (``Standby.claim``'s answer)
+        says what it may adopt: the fork server for its engine core, standby workers from a
+        namespace."""
         from executor.engine import EngineSpec, build_engine
         from executor.shm import vllm_segments
 
         instance_id = self.instance_id(number)
-        shm_before = vllm_segments()
-        started = time.monotonic()
         standby = standby or {}
-        log.info("building engine", engine_generation=number, instance_id=instance_id,
-                 standby_workers=bool(standby.get("namespace")), forkserver=bool(standby.get("forkserver")))
-        self._shm_before_build = shm_before
-        engine = build_engine(EngineSpec(
-            # a copy: vLLM's config builders mutate what they are given (a reload compares args)
-            args=copy.deepcopy(self.engine_args), generation=number, instance_id=instance_id,
-            event_endpoint=self.event_endpoint,
-            placement_group=self.placement_group, kv_cache_space_gib=self.settings.engine.kv_cache_space_gib,
-            standby_namespace=standby.get("namespace"), use_forkserver=bool(standby.get("forkserver")),
-        ))
+        with self._building:
+            shm_before = vllm_segments()
+            started = time.monotonic()
+            log.info("building engine", engine_generation=number, instance_id=instance_id, replica=replica,
+                     standby_workers=bool(standby.get("namespace")), forkserver=bool(standby.get("forkserver")))
+            self._shm_before_build = shm_before
+            engine = build_engine(EngineSpec(
+                # a copy: vLLM's config builders mutate what they are given (a reload compares args)
+                args=copy.deepcopy(self.engine_args), generation=number, instance_id=instance_id,
+                event_endpoint=self.event_endpoint,
+                placement_group=self.placement_groups.get(replica), kv_cache_space_gib=self.settings.engine.kv_cache_space_gib,
+                standby_namespace=standby.get("namespace"), use_forkserver=bool(standby.get("forkserver")),
+            ))
+            self._shm_owned[number] = vllm_segments() - shm_before
         build_s = time.monotonic() - started
-        log.info("engine up", engine_generation=number, build_s=round(build_s, 2))
-        return Generation(number, instance_id, engine, shm_before, build_s)
+        log.info("engine up", engine_generation=number, replica=replica, build_s=round(build_s, 2))
+        return Generation(number, instance_id, engine, shm_before, build_s, replica=replica)
 
     # --- the warm standby (supervisor.standby) ----------------------------------------------
 
@@ -149,8 +168,8 @@ class EngineBuilder:
 
     def create_standby(self, number: int, vllm_config: Any) -> list[dict[str, Any]]:
         # Only into the placement group the serving generation holds: re-creating a lost one is
-        # the recovery's job (two threads doing it would leak one).
-        pg = self.placement_group
+        # the recovery's job (two threads doing it would leak one). (One replica only.)
+        pg = self.placement_groups.get(0)
         if pg is None or not self.cluster.call("placement_group_ready", pg):
             raise RuntimeError("the placement group is not ready; the next recovery re-creates it")
         return self.cluster.call("create_standby", vllm_config, pg, self.instance_id(number), self.standby_namespace)
@@ -198,12 +217,19 @@ class EngineBuilder:
         # dead (its exit status came through the server) and is still running.
         stray_cores = kill_pids([p for p in cores if running(p)])
         killed = self.kill_actors(gen.instance_id) if self.cluster else kill_pids(local_workers)
-        # Killed workers may take a moment to exit and unmap their rings.
+        # Killed workers may take a moment to exit and unmap their rings. Rings that other
+        # generations (replicas) made since this one's build began are theirs.
+        self._shm_owned.pop(gen.number, None)
+        theirs = set().union(*self._shm_owned.values())
+
+        def ours() -> set[str]:
+            return vllm_segments() - gen.shm_before - theirs
+
         removed: list[str] = []
         deadline = time.monotonic() + 10.0
         while True:
-            removed += sweep(vllm_segments() - gen.shm_before)
-            if not (vllm_segments() - gen.shm_before) or time.monotonic() > deadline:
+            removed += sweep(ours())
+            if not ours() or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
         log.info("engine torn down", engine_generation=gen.number, leftover_actors_killed=killed, stray_engine_cores=stray_cores,
@@ -213,9 +239,9 @@ class EngineBuilder:
         if self.cluster is None or self.cluster_lost:
             return
         self.released = True  # from now on a GCS that stops listening is ours going (private cluster)
-        if self.placement_group is not None:
-            self.cluster.call("remove_placement_group", self.placement_group)
-            self.placement_group = None
+        for pg in self.placement_groups.values():
+            self.cluster.call("remove_placement_group", pg)
+        self.placement_groups.clear()
         self.cluster.stop()
         log.info("ray released", stopped_local_cluster=self.cluster.started_local)
 
@@ -239,7 +265,7 @@ class EngineBuilder:
         if self.cluster is None or self.cluster_lost:
             return []
         self.cluster_lost = True
-        self.placement_group = None
+        self.placement_groups.clear()
         killed = self.cluster.kill()
         log.warning("ray agent killed: the cluster is lost", killed_pids=killed)
         return killed

@@ -1,6 +1,6 @@
 """The control socket: JSON requests over a pyzmq REP socket on a local IPC path (0600).
 
-    vllm-supervisor ctl [--socket PATH] status [--json] | drain | resume | restart | kill-worker RANK
+    vllm-supervisor ctl [--socket PATH] status [--json] | drain | resume | restart | kill-worker RANK [--replica N]
 
 Requests are ``{"cmd": NAME, "args": {...}}``; replies ``{"ok": bool, ...}``. JSON only,
 never pickle. The daemon side only validates and enqueues; its owner task acts.
@@ -66,6 +66,9 @@ def parse_request(raw: bytes) -> tuple[str, dict[str, Any]]:
         rank = args.get("rank")
         if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
             raise ValueError("kill-worker needs a non-negative integer rank")
+        replica = args.setdefault("replica", 0)
+        if not isinstance(replica, int) or isinstance(replica, bool) or replica < 0:
+            raise ValueError("kill-worker's replica must be a non-negative integer")
     return cmd, args
 
 
@@ -134,6 +137,11 @@ def _table(status: dict[str, Any]) -> str:
         f"restarts     {sum(status['restarts'].values())} {status['restarts'] or ''}",
         f"requests     {status['requests'] or {}}",
     ]
+    replicas = status.get("replicas") or []
+    if len(replicas) > 1:
+        lines.append(f"replicas     {sum(r['state'] == 'serving' for r in replicas)}/{len(replicas)} serving")
+        for r in replicas:
+            lines.append(f"  replica {r['replica']}  {r['state']:<10}  generation {r['generation']}  streams {r['streams']}")
     if status.get("config_error"):
         lines.append(f"config error {status['config_error']}")
     sb = status.get("standby")
@@ -146,9 +154,10 @@ def _table(status: dict[str, Any]) -> str:
     workers = status.get("workers") or []
     if workers:
         lines.append("")
-        lines.append(f"{'rank':>4}  {'pid':>8}  {'node':<16}  actor")
+        lines.append(f"{'replica':>7}  {'rank':>4}  {'pid':>8}  {'node':<16}  actor")
         for w in workers:
-            lines.append(f"{w['rank']:>4}  {str(w.get('pid') or '-'):>8}  {(w.get('node_id') or '-')[:16]:<16}  {w['name']}")
+            lines.append(f"{w.get('replica', 0):>7}  {w['rank']:>4}  {str(w.get('pid') or '-'):>8}  "
+                         f"{(w.get('node_id') or '-')[:16]:<16}  {w['name']}")
     return "\n".join(lines)
 
 
@@ -164,9 +173,11 @@ def main(argv: list[str]) -> int:
     sub.add_parser("drain", help="stop admitting; finish in-flight requests")
     sub.add_parser("resume", help="admit again after a drain")
     sub.add_parser("restart", help="rebuild the engine behind a drain (no request is lost)")
-    sub.add_parser("kill-worker", help="drill: ray.kill the worker of RANK").add_argument("rank", type=int)
+    kill = sub.add_parser("kill-worker", help="drill: ray.kill the worker of RANK (of replica N)")
+    kill.add_argument("rank", type=int)
+    kill.add_argument("--replica", type=int, default=0)
     args = parser.parse_args(argv)
-    payload = {"rank": args.rank} if args.cmd == "kill-worker" else {}
+    payload = {"rank": args.rank, "replica": args.replica} if args.cmd == "kill-worker" else {}
     path = socket_path(args.socket, args.port, args.uds)
     try:
         reply = request(path, args.cmd, payload)

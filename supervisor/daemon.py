@@ -2,7 +2,7 @@
 
 Invariants:
 * only the owner task (``Supervisor.run`` and the handlers it awaits) changes
-  ``self.machine`` and ``self.current``;
+  ``self.machine`` and what each replica (``self.replicas``) serves;
 * signal handlers, the executor's death events, requests that see an engine die, the probe
   and the control socket only enqueue events (``post``);
 * everything that blocks on Ray or builds an engine runs in a worker thread (``builder``).
@@ -42,6 +42,7 @@ from supervisor.events import (
 )
 from supervisor.generation import EngineUnavailable, Generation, RequestFailed  # noqa: F401 (re-exported)
 from supervisor.policy import RestartIntensity
+from supervisor.replica import pick
 from supervisor.standby import Standby
 from supervisor.operations import Operations
 from supervisor.recovery import EXIT_FAILED, EXIT_OK, EXIT_RAY_LOST, Lifecycle
@@ -75,8 +76,10 @@ class Supervisor(Lifecycle, Operations):
         self.front: Any = None  # supervisor.http.Front, when one serves this daemon
         self.probe = EngineProbe(self)
         self.clusterwatch = ClusterWatch(self)
-        self.standby = Standby(self.builder, self.metrics, enabled=self.cfg.standby == "warm")
-        self.current: Generation | None = None
+        # The standby prepares one next generation; with replicas, the others take the streams instead.
+        self.standby = Standby(self.builder, self.metrics, enabled=self.cfg.standby == "warm" and self.cfg.replicas == 1)
+        if self.cfg.standby == "warm" and self.cfg.replicas > 1:
+            log.info("standby off: with replicas, the serving ones take a failed one's streams", replicas=self.cfg.replicas)
         self.started_monotonic = time.monotonic()
         self.exit_code = EXIT_OK
         self.intensity = RestartIntensity(self.cfg.max_restarts, self.cfg.restart_window_s)
@@ -87,7 +90,8 @@ class Supervisor(Lifecycle, Operations):
         self.changed = asyncio.Event()  # pulsed on every transition
         self._events: asyncio.Queue[Event] = asyncio.Queue()
         self._tasks: set[asyncio.Task] = set()
-        Lifecycle.__init__(self)
+        Lifecycle.__init__(self, self.cfg.replicas)
+        self.metrics.set_replicas(self.cfg.replicas)
         logs.set_context_provider(lambda: {"state": self.machine.state.value, "generation": self.generation_number})
 
     # --- read-only views (any task) -------------------------------------------------
@@ -98,22 +102,28 @@ class Supervisor(Lifecycle, Operations):
 
     @property
     def generation_number(self) -> int:
-        return self.current.number if self.current else 0
+        """The newest generation a replica holds (0: none)."""
+        return max((r.current.number for r in self.replicas if r.current is not None), default=0)
 
     @property
     def served_model_name(self) -> str:
         return self.builder.served_model_name
 
+    def pick(self, not_gen: Generation | None = None) -> Generation | None:
+        """The generation a request goes to now (``supervisor.replica.pick``), other than
+        ``not_gen``; None unless READY."""
+        return pick(self.replicas, not_gen) if self.state is State.READY else None
+
     def serving(self, not_gen: Generation | None = None) -> bool:
-        gen = self.current
-        return self.state is State.READY and gen is not None and not gen.failed and gen is not not_gen
+        return self.pick(not_gen) is not None
 
     @property
     def ready(self) -> bool:
-        """Serving, the last probe passed, and the HTTP front has vLLM's app (what ``/readyz``
-        and load balancers see)."""
+        """Serving, a serving replica's last probe passed, and the HTTP front has vLLM's app
+        (what ``/readyz`` and load balancers see)."""
         front_up = self.front is None or self.front.current
-        return self.state is State.READY and self.probe.failures == 0 and front_up
+        return (self.state is State.READY and front_up
+                and any(r.serving() and r.probe_failures == 0 for r in self.replicas))
 
     # --- for the request path -----------------------------------------------------------
 
@@ -154,7 +164,7 @@ class Supervisor(Lifecycle, Operations):
         if self.control_socket:
             background.append(self._spawn(serve_control(self.control_socket, self.full_status, self._submit)))
         try:
-            self._recovery = self._spawn(self._start())
+            self._operation = self._spawn(self._start())
             while not self.state.terminal:
                 event = await self._events.get()
                 try:
@@ -181,7 +191,6 @@ class Supervisor(Lifecycle, Operations):
         elif isinstance(event, ClusterLost):
             await self._on_cluster_lost(event)
         elif isinstance(event, RecoveryFinished):
-            self._recovery = None
             if not event.ok and self.state is not State.STOPPING:
                 self.exit_code = EXIT_RAY_LOST if self.builder.cluster_lost else EXIT_FAILED
                 self._begin_stop(event.detail)
@@ -226,18 +235,17 @@ class Supervisor(Lifecycle, Operations):
         task.add_done_callback(self._tasks.discard)
         return task
 
-    def _count_restart(self, reason: str) -> None:
+    def _count_restart(self, reason: str, rep: Any) -> None:
         self.restarts[reason] += 1
-        self.metrics.restarts.labels(reason).inc()
+        self.metrics.restarts.labels(str(rep.index), reason).inc()
 
-    def _worker_death_seen(self, event: EngineFailed) -> None:
-        self.metrics.worker_deaths.labels(death_cause(event.detail)).inc()
-        self.metrics.workers(up=False, ranks=event.ranks)
+    def _worker_death_seen(self, event: EngineFailed, rep: Any) -> None:
+        self.metrics.worker_deaths.labels(str(rep.index), death_cause(event.detail)).inc()
+        self.metrics.workers(rep.index, up=False, ranks=event.ranks)
 
     def _on_transition(self, old: State, new: State, reason: str) -> None:
         log.info("state transition", from_state=old.value, to_state=new.value, reason=reason)
-        self.metrics.set_state(new.value, self.generation_number)
-        self.metrics.workers(up=new is State.READY)
+        self.metrics.set_state(new.value)
         text = f"{new.value} (generation {self.generation_number}): {reason[:200]}"
         if new is State.READY and (not self._announced_ready or self._reloading):
             self._announced_ready, self._reloading = True, False
@@ -254,6 +262,7 @@ class Supervisor(Lifecycle, Operations):
             "state": self.state.value,
             "reason": self.machine.reason,
             "generation": self.generation_number,
+            "replicas": [r.status() for r in self.replicas],
             "in_flight": c.in_flight,
             "parked": c.parked,
             "admission_queue": c.waiting_new,
@@ -276,13 +285,16 @@ class Supervisor(Lifecycle, Operations):
                 "agent_pid": b.agent_pid}
 
     async def full_status(self) -> dict[str, Any]:
-        """``status()`` plus the workers (rank, actor, pid, node) from Ray."""
+        """``status()`` plus each replica's workers (replica, rank, actor, pid, node) from Ray."""
         out = self.status()
-        gen = self.current
         out["workers"] = []
-        if gen is not None:
+        for rep in self.replicas:
+            if rep.current is None:
+                continue
             try:
-                out["workers"] = await aio.wait_for(asyncio.to_thread(self.builder.workers, gen.instance_id), 10)
+                workers = await aio.wait_for(asyncio.to_thread(self.builder.workers, rep.current.instance_id), 10)
             except Exception as exc:
                 out["workers_error"] = str(exc)
+                continue
+            out["workers"] += [{"replica": rep.index, **w} for w in workers]
         return out

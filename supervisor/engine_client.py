@@ -1,10 +1,12 @@
 """The request path: vLLM's ``EngineClient`` over whichever engine generation serves now.
 
 vLLM's own OpenAI front (``supervisor.http``) talks to this object exactly as ``vllm serve``
-talks to its ``AsyncLLM``. ``generate`` admits a request to the current generation, and
-when that generation fails mid-stream parks the request and continues it on the next one
-with prompt + delivered tokens (``supervisor.continuation``), so that what the client reads
-equals a fault-free run. The model config, renderer and tokenizer belong to this object,
+talks to its ``AsyncLLM``. ``generate`` admits a request to a serving generation (the
+replica with the fewest streams, ``supervisor.replica.pick``), and when that generation
+fails mid-stream parks the request and continues it with prompt + delivered tokens
+(``supervisor.continuation``) on another serving replica at once, else on the replica's next
+generation, so that what the client reads equals a fault-free run. Calls that change an
+engine's state (LoRA, caches, sleep, pause, profiling) go to every serving replica. The model config, renderer and tokenizer belong to this object,
 not to a generation: they stay the same across recoveries.
 
 The lifecycle owner (``supervisor.daemon.Supervisor``) decides which generation serves;
@@ -106,15 +108,16 @@ class SupervisedEngineClient(EngineClient):
 
     async def check_health(self) -> None:
         """``/health``: 200 while an engine serves, else 503 (vLLM answers 503 to this error)."""
-        if not self.owner.serving():
+        gen = self.owner.pick()
+        if gen is None:
             raise EngineDeadError(f"no engine serving: daemon is {self.owner.state.value} ({self.owner.machine.reason})")
-        await self.owner.current.engine.check_health()
+        await gen.engine.check_health()
 
     def check_admission(self, n: int = 1, request_id: str | None = None) -> None:
         """Before the response starts: a stopping daemon or a full admission queue is a 503."""
         owner = self.owner
-        if owner.serving():
-            owner.current.engine.check_admission(n, request_id)
+        if (gen := owner.pick()) is not None:
+            gen.engine.check_admission(n, request_id)
             return
         # The front awaits (renders the prompt) between this check and ``generate``: a slot is
         # reserved here, so that a burst gets its 503s now, as a status, not in a started stream.
@@ -286,7 +289,7 @@ class SupervisedEngineClient(EngineClient):
         async def pump() -> None:
             try:
                 async for out in gen.engine.generate(prompt, params, request_id, **(kwargs or {})):
-                    self.last_output_monotonic = time.monotonic()
+                    self.last_output_monotonic = gen.last_output_monotonic = time.monotonic()
                     queue.put_nowait(out)
                 queue.put_nowait(_END)
             except asyncio.CancelledError:
@@ -326,12 +329,12 @@ class SupervisedEngineClient(EngineClient):
             pass
 
     async def _admit(self, parked: bool, not_gen: Generation | None = None) -> Generation:
-        """The current engine once READY (and not ``not_gen``, a generation the request saw
+        """A serving generation once READY (and not ``not_gen``, a generation the request saw
         die before the owner task marked it failed). New requests wait in a bounded queue up
         to ``admission_timeout_s``; parked ones wait up to ``recovery_timeout_s``."""
         owner = self.owner
-        if owner.serving(not_gen):
-            return owner.current
+        if (gen := owner.pick(not_gen)) is not None:
+            return gen
         if parked and (owner.state.terminal or owner.state is State.STOPPING):
             owner.count_outcome("failed")
             raise RequestFailed(f"daemon is {owner.state.value} ({owner.machine.reason}); retry the request elsewhere")
@@ -345,8 +348,8 @@ class SupervisedEngineClient(EngineClient):
             self.waiting_new += 1
         try:
             while True:
-                if owner.serving(not_gen):
-                    return owner.current
+                if (gen := owner.pick(not_gen)) is not None:
+                    return gen
                 if owner.state.terminal or owner.state is State.STOPPING:
                     return await self._admit(parked, not_gen)
                 left = deadline - time.monotonic()
@@ -367,12 +370,23 @@ class SupervisedEngineClient(EngineClient):
             else:
                 self.waiting_new -= 1
 
-    # --- the rest of EngineClient: the serving engine's, or "unavailable" ------------------
+    # --- the rest of EngineClient: the serving engines', or "unavailable" -----------------
 
     def _engine(self) -> Any:
-        if not self.owner.serving():
-            raise EngineUnavailable(f"no engine serving: daemon is {self.owner.state.value} ({self.owner.machine.reason})")
-        return self.owner.current.engine
+        """One serving engine (for a call about one request)."""
+        return self._engines()[0]
+
+    def _engines(self) -> list[Any]:
+        """Every serving replica's engine (for a call that changes an engine's state)."""
+        owner = self.owner
+        engines = [r.current.engine for r in owner.replicas if r.serving()] if owner.state is State.READY else []
+        if not engines:
+            raise EngineUnavailable(f"no engine serving: daemon is {owner.state.value} ({owner.machine.reason})")
+        return engines
+
+    async def _each(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        engines = self._engines()
+        return list(await asyncio.gather(*(getattr(e, method)(*args, **kwargs) for e in engines)))
 
     def encode(self, *args: Any, **kwargs: Any) -> Any:
         return self._engine().encode(*args, **kwargs)
@@ -385,46 +399,46 @@ class SupervisedEngineClient(EngineClient):
 
     async def do_log_stats(self) -> None:
         if self.owner.serving():
-            await self.owner.current.engine.do_log_stats()
+            await self._each("do_log_stats")
 
     async def start_profile(self, *args: Any, **kwargs: Any) -> None:
-        await self._engine().start_profile(*args, **kwargs)
+        await self._each("start_profile", *args, **kwargs)
 
     async def stop_profile(self) -> None:
-        await self._engine().stop_profile()
+        await self._each("stop_profile")
 
     async def reset_mm_cache(self) -> None:
-        await self._engine().reset_mm_cache()
+        await self._each("reset_mm_cache")
 
     async def reset_encoder_cache(self) -> None:
-        await self._engine().reset_encoder_cache()
+        await self._each("reset_encoder_cache")
 
     async def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
-        return await self._engine().reset_prefix_cache(*args, **kwargs)
+        return all(await self._each("reset_prefix_cache", *args, **kwargs))
 
     async def sleep(self, *args: Any, **kwargs: Any) -> None:
-        await self._engine().sleep(*args, **kwargs)
+        await self._each("sleep", *args, **kwargs)
 
     async def release_kv_cache_memory(self) -> None:
-        await self._engine().release_kv_cache_memory()
+        await self._each("release_kv_cache_memory")
 
     async def wake_up(self, tags: list[str] | None = None) -> bool:
-        return await self._engine().wake_up(tags)
+        return all(await self._each("wake_up", tags))
 
     async def is_sleeping(self) -> bool:
-        return bool(self.owner.serving() and await self.owner.current.engine.is_sleeping())
+        return bool(self.owner.serving() and any(await self._each("is_sleeping")))
 
     async def add_lora(self, lora_request: Any) -> bool:
-        return await self._engine().add_lora(lora_request)
+        return all(await self._each("add_lora", lora_request))
 
     async def pause_generation(self, **kwargs: Any) -> None:
-        await self._engine().pause_generation(**kwargs)
+        await self._each("pause_generation", **kwargs)
 
     async def resume_generation(self) -> None:
-        await self._engine().resume_generation()
+        await self._each("resume_generation")
 
     async def is_paused(self) -> bool:
-        return bool(self.owner.serving() and await self.owner.current.engine.is_paused())
+        return bool(self.owner.serving() and any(await self._each("is_paused")))
 
     def shutdown(self, timeout: float | None = None) -> None:
         """The daemon owns the engines' lifetime (SIGTERM drains and tears down)."""

@@ -47,6 +47,8 @@ class Generation:
     failed: bool = False
     planned: bool = False  # retired by a drain-then-rebuild (restart, reload), not by a fault
     standby: dict[str, Any] | None = None  # what its build adopted (supervisor.standby)
+    replica: int = 0  # the replica it serves (supervisor.replica)
+    last_output_monotonic: float = field(default_factory=time.monotonic)  # its last token (the probe's hang check)
 
     async def reap_lingering(self, timeout_s: float = 2.0) -> None:
         """After shutdown: a second cancel ends an abort that the dead engine never answers

@@ -1,6 +1,8 @@
 """Operator actions (a part of the owner, ``supervisor.daemon.Supervisor``): the control
-socket's commands and SIGHUP reload. Planned rebuilds drain first and continue whatever is
-still in flight on the new engine, so no request is lost."""
+socket's commands and SIGHUP reload. Planned rebuilds continue whatever is still in flight on
+another engine, so no request is lost: with one replica they drain first and continue the
+rest on the new engine; with several, the replicas are rebuilt one after another while the
+others serve (their streams move over at once)."""
 
 from __future__ import annotations
 
@@ -40,10 +42,12 @@ class Operations:
             self._begin_rebuild("operator", "operator restart")
             return {"ok": True, "state": self.state.value, "generation": self.generation_number}
         if cmd == "kill-worker":
-            gen = self.current
-            rank = args["rank"]
-            if gen is None or self.state is not State.READY:
-                return {"ok": False, "error": f"no serving engine while {self.state.value}"}
+            rank, index = args["rank"], args.get("replica", 0)
+            if index >= len(self.replicas):
+                return {"ok": False, "error": f"replica {index} out of range ({len(self.replicas)} replica(s))"}
+            gen = self.replicas[index].current
+            if gen is None or gen.failed or self.state is not State.READY:
+                return {"ok": False, "error": f"replica {index} has no serving engine (daemon {self.state.value})"}
             if rank >= self.builder.world_size:
                 return {"ok": False, "error": f"rank {rank} out of range (world size {self.builder.world_size})"}
             if self.builder.cluster is None:
@@ -52,12 +56,13 @@ class Operations:
                 killed = await asyncio.to_thread(self.builder.kill_worker, gen.instance_id, rank)
             except Exception as exc:  # the Ray agent gone (cluster lost) or Ray raising
                 return {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
-            return {"ok": bool(killed), "killed": killed, **({} if killed else {"error": "actor not found"})}
+            return {"ok": bool(killed), "killed": killed, "replica": index, "generation": gen.number,
+                    **({} if killed else {"error": "actor not found"})}
         return {"ok": False, "error": f"unknown command {cmd!r}"}
 
     def _busy(self) -> bool:
         """A start, recovery or planned rebuild is under way."""
-        return self._recovery is not None and not self._recovery.done()
+        return (self._operation is not None and not self._operation.done()) or any(r.busy for r in self.replicas)
 
     def _on_reload(self) -> None:
         """SIGHUP: re-read the command line's files (the supervisor TOML, vLLM's --config
@@ -83,6 +88,8 @@ class Operations:
             new_args.model, new_args.served_model_name = old_args.model, old_args.served_model_name
         if (new_args.host, new_args.port) != (old_args.host, old_args.port) or new.ray != old.ray:
             log.warning("--host, --port and ray settings take effect at the next daemon start")
+        if new.supervisor.replicas != old.supervisor.replicas:
+            log.warning("replicas take effect at the next daemon start", replicas=len(self.replicas))
         if new.supervisor.standby != old.supervisor.standby:
             log.warning("standby takes effect at the next daemon start", standby=self.standby.status()["mode"])
         changed = engine_args_changed(old_args, new_args)
@@ -99,22 +106,33 @@ class Operations:
         self._begin_rebuild("reload", f"config reload: {', '.join(changed)[:150]} changed")
 
     def _begin_rebuild(self, reason: str, detail: str) -> None:
-        """A planned rebuild: drain (new requests queue), then a recovery that continues
-        whatever is still in flight after ``drain_timeout_s``."""
-        gen = self.current
-        if self.state is State.READY:
+        """A planned rebuild of every replica. One replica: drain (new requests queue), then
+        a recovery that continues whatever is still in flight after ``drain_timeout_s``.
+        Several: one replica after another, while the others serve."""
+        drain = len(self.replicas) == 1
+        if drain and self.state is State.READY:
             self.machine.transition(State.DRAINING, detail)
 
-        async def drain_then_rebuild() -> None:
-            try:
-                await aio.wait_for(self.client.idle.wait(), self.cfg.drain_timeout_s)
-            except asyncio.TimeoutError:
-                log.warning("drain deadline passed; continuing the rest on the new engine", in_flight=self.client.in_flight)
-            if gen is not self.current or gen is None or gen.failed or self.state is not State.DRAINING:
-                return
-            gen.failed = gen.planned = True
-            self.machine.transition(State.RECOVERING, detail)
-            gen.interrupt_streams()
-            await self._recover(gen, EngineFailed(gen.number, reason, detail))
+        async def rebuild() -> None:
+            if drain:
+                try:
+                    await aio.wait_for(self.client.idle.wait(), self.cfg.drain_timeout_s)
+                except asyncio.TimeoutError:
+                    log.warning("drain deadline passed; continuing the rest on the new engine", in_flight=self.client.in_flight)
+                if self.state is not State.DRAINING:
+                    return
+            for rep in self.replicas:
+                gen = rep.current
+                if gen is None or gen.failed or rep.busy or self.state not in (State.READY, State.DRAINING, State.RECOVERING):
+                    continue
+                gen.failed = gen.planned = True
+                self._replica_down(rep, detail)
+                gen.interrupt_streams()
+                rep.recovery = asyncio.current_task()
+                await self._recover(rep, gen, EngineFailed(gen.number, reason, detail))
+                rep.recovery = None
+            if self._reloading and self.state is State.READY:  # several replicas: READY all along
+                self._reloading = False
+                self.notifier.ready(f"ready (generation {self.generation_number}): {detail[:200]}")
 
-        self._recovery = self._spawn(drain_then_rebuild())
+        self._operation = self._spawn(rebuild())

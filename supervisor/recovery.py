@@ -1,10 +1,12 @@
 """Starting, recovering and stopping engine generations (a part of the owner,
 ``supervisor.daemon.Supervisor``, whose task runs every method here).
 
-A failure marks the serving generation failed, parks its streams, and starts a recovery:
-drain the streams' hold on it, tear it down (engine core, actors, shared-memory rings),
-then build the next generation on the same placement group, under the restart intensity
-limit and with backoff between failed builds.
+Each replica (``supervisor.replica``) recovers on its own. A failure marks the replica's
+generation failed and parks its streams (they continue at once on another serving replica,
+if there is one), then its recovery drains the streams' hold on it, tears it down (engine
+core, actors, shared-memory rings) and builds the replica's next generation on the same
+placement group, under the daemon's restart intensity limit and with backoff between
+failed builds. The daemon is READY while a replica serves; RECOVERING when none does.
 
 Loss of the Ray cluster (``ClusterLost``) kills the Ray agent at once, fails the serving
 generation like any fault, and makes every build wait (up to ``ray.reconnect_timeout_s``)
@@ -23,6 +25,7 @@ from health.clusterwatch import listening, split_address
 from supervisor.events import ClusterLost, EngineFailed, RecoveryFinished, StopFinished
 from supervisor.generation import Generation
 from supervisor.policy import backoff_s
+from supervisor.replica import Replica, building, replica_of
 from supervisor.states import State
 
 log = logs.get_logger("vllm_supervisor.recovery")
@@ -33,62 +36,85 @@ EXIT_RAY_LOST = 75  # EX_TEMPFAIL: the Ray cluster was lost and did not come bac
 
 
 class Lifecycle:
-    def __init__(self) -> None:
-        self._building: int | None = None  # generation number being built
+    def __init__(self, replicas: int = 1) -> None:
+        self.replicas = [Replica(i) for i in range(replicas)]
         self._doomed: set[int] = set()  # generations that failed while being built
         self.next_generation = 1
         self.recoveries: list[dict[str, Any]] = []
-        self._recovery: asyncio.Task | None = None
-        self._active_record: dict[str, Any] | None = None  # the recovery under way
+        self._operation: asyncio.Task | None = None  # the start, or a planned rebuild (operations)
+        self._reconnecting = asyncio.Lock()  # one replica reconnects a lost cluster; the others wait
         self._reattach = False  # a reload changed engine arguments: the front takes the new config
         self.cluster_lost_monotonic: float | None = None  # when the GCS stopped answering (while lost)
 
     # --- failures -----------------------------------------------------------------
 
     def _on_engine_failed(self, event: EngineFailed) -> None:
-        if event.generation == self._building:
-            log.error("engine failed while starting", failed_generation=event.generation, cause=event.reason, detail=event.detail)
+        if (rep := building(self.replicas, event.generation)) is not None:
+            log.error("engine failed while starting", failed_generation=event.generation, replica=rep.index,
+                      cause=event.reason, detail=event.detail)
             self._doomed.add(event.generation)
             return
         if self._refine_cause(event):
             return
-        gen = self.current
-        if gen is None or event.generation != gen.number or gen.failed:
+        rep = replica_of(self.replicas, event.generation)
+        if rep is None or rep.current.failed:
             log.info("ignoring failure of a retired generation", failed_generation=event.generation, cause=event.reason)
             return
         if self.state is State.STOPPING:
             return
+        gen = rep.current
         gen.failed = True
         if event.reason == "worker_death":
-            self._worker_death_seen(event)
-        log.error("engine failed", cause=event.reason, detail=event.detail[:500],
+            self._worker_death_seen(event, rep)
+        log.error("engine failed", cause=event.reason, detail=event.detail[:500], replica=rep.index,
                   detect_ms=round((time.monotonic() - event.detected_monotonic) * 1000, 1))
-        self.machine.transition(State.RECOVERING, f"{event.reason}: {event.detail[:200]}")
-        gen.interrupt_streams()  # park every in-flight request
-        self._begin_record(gen, event)
-        self._recovery = self._spawn(self._recover(gen, event))
+        self._replica_down(rep, f"{event.reason}: {event.detail[:200]}")
+        gen.interrupt_streams()  # park every in-flight request (another serving replica takes it at once)
+        self._begin_record(rep, gen, event)
+        rep.recovery = self._spawn(self._recover(rep, gen, event))
 
-    def _begin_record(self, old: Generation, event: EngineFailed) -> dict[str, Any]:
+    def _replica_down(self, rep: Replica, reason: str) -> None:
+        """``rep`` stopped serving: RECOVERING when no replica serves any more, else READY
+        (or DRAINING) goes on with the others."""
+        self.metrics.replica(rep.index, up=False, generation=0)
+        if any(r.serving() for r in self.replicas):
+            log.warning("replica recovering; the others serve", replica=rep.index, reason=reason[:200],
+                        serving=[r.index for r in self.replicas if r.serving()])
+            self.notifier.status(f"{self.state.value}: replica {rep.index} recovering: {reason[:150]}")
+            self.changed.set()
+        elif self.state in (State.READY, State.DRAINING, State.RECOVERING):
+            self.machine.transition(State.RECOVERING, reason if len(self.replicas) == 1 else f"replica {rep.index}: {reason}")
+
+    def _replica_up(self, rep: Replica, reason: str) -> None:
+        self.metrics.replica(rep.index, up=True, generation=rep.current.number)
+        if self.state in (State.STARTING, State.RECOVERING):
+            self.machine.transition(State.READY, reason if len(self.replicas) == 1 else f"replica {rep.index}: {reason}")
+        else:
+            log.info("replica serving", replica=rep.index, reason=reason)
+            self.changed.set()
+
+    def _begin_record(self, rep: Replica, old: Generation, event: EngineFailed) -> dict[str, Any]:
         """The record of the recovery from ``old``; open (``_refine_cause`` may still sharpen
         its cause) until the recovery ends."""
-        self._active_record = {"reason": event.reason, "detail": event.detail[:300], "from_generation": old.number,
-                               "detected_monotonic": event.detected_monotonic, "phases_s": {},
-                               # from the whole of Ray's death cause (the detail is cut short)
-                               "cause": death_cause(event.detail) if event.reason == "worker_death" else None}
-        return self._active_record
+        rep.record = {"reason": event.reason, "detail": event.detail[:300], "from_generation": old.number,
+                      "replica": rep.index, "detected_monotonic": event.detected_monotonic, "phases_s": {},
+                      # from the whole of Ray's death cause (the detail is cut short)
+                      "cause": death_cause(event.detail) if event.reason == "worker_death" else None}
+        return rep.record
 
     def _refine_cause(self, event: EngineFailed) -> bool:
         """A worker-death report that lost the race to an ``EngineDeadError`` of a request
         (the engine core fails as its worker dies) names the same failure more precisely:
         the recovery under way takes its reason, ranks and cause. Only reports detected
         before that recovery's teardown began (which kills the workers itself) count."""
-        rec = self._active_record
-        if (event.reason != "worker_death" or rec is None or rec["from_generation"] != event.generation
+        rep = next((r for r in self.replicas if r.record and r.record["from_generation"] == event.generation), None)
+        rec = rep.record if rep is not None else None
+        if (event.reason != "worker_death" or rec is None
                 or rec["reason"] != "engine_dead" or event.detected_monotonic >= rec.get("teardown_monotonic", float("inf"))):
             return False
         rec.update(reason="worker_death", detail=event.detail[:300], refined_from="engine_dead",
                    cause=death_cause(event.detail))
-        self._worker_death_seen(event)
+        self._worker_death_seen(event, rep)
         log.info("failure cause refined", cause="worker_death", detail=event.detail[:300])
         return True
 
@@ -101,7 +127,7 @@ class Lifecycle:
         if (self.builder.cluster_lost or self.builder.cluster is None or self.state.terminal
                 or self.builder.released or (event.agent_pid is not None and event.agent_pid != self.builder.agent_pid)):
             return
-        building = self._building  # its engine core lost the cluster too (captured before the awaits)
+        being_built = [r.building for r in self.replicas if r.building is not None]  # their engine cores lost it too
         timeout = self.settings.ray.reconnect_timeout_s
         log.error("ray cluster lost", address=event.address, detail=event.detail, reconnect_timeout_s=timeout,
                   detect_ms=round((time.monotonic() - event.detected_monotonic) * 1000, 1))
@@ -109,18 +135,25 @@ class Lifecycle:
         self.metrics.ray_connected.set(0)
         await asyncio.to_thread(self.builder.lose_cluster)
         await self.standby.cluster_lost()
-        if building is not None:
-            self._doomed.add(building)
+        self._doomed.update(being_built)
         reason = f"ray cluster lost ({event.address}: {event.detail}); waiting up to {timeout:g} s for it"
-        gen = self.current
-        if gen is not None and not gen.failed and self.state is not State.STOPPING:
-            self._on_engine_failed(EngineFailed(gen.number, "ray_lost", reason, event.detected_monotonic))
-        elif self.state is State.RECOVERING:
+        serving = [r.current for r in self.replicas if r.serving()]
+        for gen in serving:
+            if self.state is not State.STOPPING:
+                self._on_engine_failed(EngineFailed(gen.number, "ray_lost", reason, event.detected_monotonic))
+        if not serving and self.state is State.RECOVERING:
             self.machine.transition(State.RECOVERING, reason)
 
     async def _await_cluster(self) -> tuple[bool, str]:
         """Until the deadline: wait for the lost GCS to listen again (a private cluster is
-        started anew at once), then connect a new agent. Returns (ok, detail)."""
+        started anew at once), then connect a new agent (one replica does; the others wait
+        for it). Returns (ok, detail)."""
+        async with self._reconnecting:
+            if not self.builder.cluster_lost:
+                return True, ""
+            return await self._reconnect()
+
+    async def _reconnect(self) -> tuple[bool, str]:
         timeout = self.settings.ray.reconnect_timeout_s
         lost_at = self.cluster_lost_monotonic or time.monotonic()
         private = self.builder.cluster.started_local
@@ -151,6 +184,8 @@ class Lifecycle:
     # --- starting and recovering --------------------------------------------------------
 
     async def _start(self) -> None:
+        """The model and the Ray connection, then every replica's first engine (their builds
+        take turns, ``EngineBuilder.build``); READY when the first is up."""
         try:
             await asyncio.to_thread(self.builder.prepare_model)
             if self.builder.uses_ray:
@@ -160,14 +195,18 @@ class Lifecycle:
             log.exception("first start failed")
             self.post(RecoveryFinished(False, f"could not start: {type(exc).__name__}: {exc}"))
             return
-        ok, detail = await self._bring_up(first=True)
+        for rep in self.replicas:
+            rep.recovery = self._spawn(self._first_up(rep))
+
+    async def _first_up(self, rep: Replica) -> None:
+        ok, detail = await self._bring_up(rep, first=True)
         self.post(RecoveryFinished(ok, detail))
 
-    async def _recover(self, old: Generation, event: EngineFailed) -> None:
+    async def _recover(self, rep: Replica, old: Generation, event: EngineFailed) -> None:
         started = time.monotonic()
-        record = self._active_record
+        record = rep.record
         if record is None or record["from_generation"] != old.number:
-            record = self._begin_record(old, event)
+            record = self._begin_record(rep, old, event)
         phases: dict[str, float] = record["phases_s"]
         phases["detect"] = max(0.0, started - event.detected_monotonic)
         try:
@@ -179,27 +218,28 @@ class Lifecycle:
             t = record["teardown_monotonic"] = time.monotonic()
             await asyncio.to_thread(self.builder.teardown, old)
             await old.reap_lingering()
-            self.current = None
+            if rep.current is old:
+                rep.current = None
             phases["teardown"] = time.monotonic() - t
             self._release_soon(old)
-            ok, detail = await self._bring_up(first=False, phases=phases)
+            ok, detail = await self._bring_up(rep, first=False, phases=phases)
         except Exception as exc:
             log.exception("recovery failed")
             ok, detail = False, f"recovery failed: {type(exc).__name__}: {exc}"
         finally:  # also when cancelled: the record is closed and the restart counted
-            self._active_record = None
-            self._count_restart(record["reason"])
-        record.update(ok=ok, total_s=time.monotonic() - started, to_generation=self.generation_number,
+            rep.record = None
+            self._count_restart(record["reason"], rep)
+        record.update(ok=ok, total_s=time.monotonic() - started, to_generation=rep.current.number if rep.current else 0,
                       ready_monotonic=time.monotonic())
         self.recoveries.append(record)
         if ok:
-            self.metrics.recovery(record["total_s"] + phases["detect"], phases)
+            self.metrics.recovery(rep.index, record["total_s"] + phases["detect"], phases)
         log.info("recovery finished", ok=ok, **{f"{k}_s": round(v, 3) for k, v in phases.items()},
                  total_s=round(record["total_s"], 3))
         self.post(RecoveryFinished(ok, detail))
 
-    async def _bring_up(self, first: bool, phases: dict[str, float] | None = None) -> tuple[bool, str]:
-        """Place the workers and build engines until one is up, the restart budget is
+    async def _bring_up(self, rep: Replica, first: bool, phases: dict[str, float] | None = None) -> tuple[bool, str]:
+        """Place ``rep``'s workers and build engines until one is up, the restart budget is
         spent, or a stop is requested. Returns (ok, detail)."""
         phases = phases if phases is not None else {}
         attempt = 0
@@ -219,46 +259,48 @@ class Lifecycle:
             if delay:
                 await asyncio.sleep(delay)
             attempt += 1
-            number = self._building = self.next_generation
+            number = rep.building = self.next_generation
             self.next_generation += 1
             try:
                 t = time.monotonic()
-                await asyncio.to_thread(self.builder.ensure_placement_group)
+                await asyncio.to_thread(self.builder.ensure_placement_group, rep.index)
                 phases["placement_group"] = time.monotonic() - t
                 if self._reattach:  # made for the engine arguments a reload just replaced
                     await self.standby.discard("engine arguments changed")
                 claim = await self.standby.claim(number)
                 t = time.monotonic()
-                gen = await asyncio.to_thread(self.builder.build, number, claim)
+                gen = await asyncio.to_thread(self.builder.build, number, claim, rep.index)
                 phases["engine_start"] = time.monotonic() - t
-                if self.standby.enabled:  # while _building still names it: a failure now dooms it
+                if self.standby.enabled:  # while building still names it: a failure now dooms it
                     gen.standby = self.standby.adopted(number, await self._workers_of(gen), count=not (first and attempt == 1))
-                    if self._active_record is not None:
-                        self._active_record["standby"] = gen.standby
+                    if rep.record is not None:
+                        rep.record["standby"] = gen.standby
                 if self.client.model_config is None or self._reattach:  # first engine, or a reload changed it
                     front = await asyncio.to_thread(self.builder.front, gen.engine)
                     self.client.attach(gen.engine, await gen.engine.get_supported_tasks(), front)
                     self._reattach = False
             except Exception as exc:
-                self._building = None
+                rep.building = None
                 self.standby.build_failed()
-                self._count_restart("build_failed")
-                log.error("engine build failed", failed_generation=number, error=f"{type(exc).__name__}: {exc}"[:500])
+                self._count_restart("build_failed", rep)
+                log.error("engine build failed", failed_generation=number, replica=rep.index,
+                          error=f"{type(exc).__name__}: {exc}"[:500])
                 if type(exc).__name__ == "PlacementGroupTimeout" and self.state is State.RECOVERING:
                     self.machine.transition(State.RECOVERING, f"waiting for capacity: {exc}")
                 await asyncio.to_thread(self.builder.cleanup_failed_build, number)
                 continue
-            self._building = None
+            rep.building = None
             if number in self._doomed or self.state is State.STOPPING:
                 self._doomed.discard(number)
                 await self._discard(gen)
                 if self.state is State.STOPPING:
                     return True, "stopping"
-                self._count_restart("build_failed")
+                self._count_restart("build_failed", rep)
                 continue
-            self.current = gen
+            gen.replica = rep.index
+            rep.current, rep.served = gen, True
             verb = "up" if first and attempt == 1 else "recovered"
-            self.machine.transition(State.READY, f"engine generation {number} {verb} in {gen.build_s:.1f} s")
+            self._replica_up(rep, f"engine generation {number} {verb} in {gen.build_s:.1f} s")
             self.standby.prepare(self.next_generation, gen.engine.vllm_config)
             return True, ""
 
@@ -300,20 +342,24 @@ class Lifecycle:
 
     async def _stop(self) -> None:
         try:
-            if self.client.in_flight and self.exit_code == EXIT_OK and self.current is not None:
+            if self.client.in_flight and self.exit_code == EXIT_OK and any(r.current for r in self.replicas):
                 timeout = self.cfg.drain_timeout_s
                 log.info("draining", in_flight=self.client.in_flight, timeout_s=timeout)
                 try:
                     await aio.wait_for(self.client.idle.wait(), timeout)
                 except asyncio.TimeoutError:
                     log.warning("drain deadline passed", in_flight=self.client.in_flight)
-            if self._recovery is not None:  # let an engine build in progress finish, then drop it
-                await asyncio.wait({self._recovery}, timeout=self.cfg.recovery_timeout_s)
-            gen, self.current = self.current, None
-            if gen is not None:
-                gen.interrupt_streams()
-                await asyncio.to_thread(self.builder.teardown, gen)
-                await gen.reap_lingering()
+            # let engine builds in progress finish, then drop them
+            running = {t for t in [self._operation, *(r.recovery for r in self.replicas)] if t is not None and not t.done()}
+            if running:
+                await asyncio.wait(running, timeout=self.cfg.recovery_timeout_s)
+            for rep in self.replicas:
+                gen, rep.current = rep.current, None
+                self.metrics.replica(rep.index, up=False, generation=0)
+                if gen is not None:
+                    gen.interrupt_streams()
+                    await asyncio.to_thread(self.builder.teardown, gen)
+                    await gen.reap_lingering()
             try:  # bounded (the fork server is killed, not waited for); never skips the release below
                 await aio.wait_for(self.standby.stop(), 30)
             except Exception:

@@ -106,7 +106,7 @@ class HttpBuilder(FakeBuilder):
         self.vllm_config = vllm_config
         self.renderer, self.input_processor = frontend_for(vllm_config)
 
-    def build(self, number, standby=None):
+    def build(self, number, standby=None, replica=0):
         if number > 1:
             time.sleep(self.build_s)
         engine = FakeEngine(self.vllm_config, self.renderer.get_tokenizer())
@@ -152,7 +152,7 @@ async def finish(sup, owner, client):
 
 
 def kill(sup):
-    gen = sup.current
+    gen = sup.replicas[0].current
     gen.engine.die()
     sup.post(EngineFailed(gen.number, "worker_death", "rank 0 killed"))
 
@@ -247,7 +247,7 @@ def test_a_request_that_cannot_be_continued_ends_with_a_clear_retriable_error(tm
         # Not streamed, nothing was delivered when the engine died: it runs again, exactly.
         reference = (await client.post("/v1/completions", json={**body, "temperature": 0})).json()
         whole = asyncio.create_task(client.post("/v1/completions", json={**body, "temperature": 0}))
-        await wait_for(lambda: sup.current.pumps)  # running on generation 2
+        await wait_for(lambda: sup.replicas[0].current.pumps)  # running on generation 2
         await asyncio.sleep(0.05)
         kill(sup)
         r = await whole

@@ -24,8 +24,13 @@ def test_dashboard_queries_exported_series():
 
 
 def test_every_series_exists_before_any_event():
-    text = generate_latest(SupervisorMetrics(world_size=2).registry).decode()
-    for line in ('vllm_supervisor_state{state="starting"} 1.0', 'vllm_supervisor_worker_up{rank="1"} 0.0',
-                 'vllm_supervisor_restarts_total{reason="hang"} 0.0', 'vllm_supervisor_requests_total{outcome="continued"} 0.0',
-                 'vllm_supervisor_worker_deaths_total{cause="killed"} 0.0'):
+    m = SupervisorMetrics(world_size=2)
+    m.set_replicas(2)
+    text = generate_latest(m.registry).decode()
+    for line in ('vllm_supervisor_state{state="starting"} 1.0', 'vllm_supervisor_worker_up{rank="1",replica="0"} 0.0',
+                 'vllm_supervisor_restarts_total{reason="hang",replica="0"} 0.0',
+                 'vllm_supervisor_requests_total{outcome="continued"} 0.0',
+                 'vllm_supervisor_worker_deaths_total{cause="killed",replica="1"} 0.0',
+                 'vllm_supervisor_replica_up{replica="1"} 0.0', 'vllm_supervisor_engine_generation{replica="1"} 0.0',
+                 'vllm_supervisor_recovery_phase_duration_seconds_count{phase="detect",replica="1"} 0.0'):
         assert line in text, line

@@ -173,10 +173,10 @@ class FakeBuilder:
         return []
 
 
-    def ensure_placement_group(self):
+    def ensure_placement_group(self, replica=0):
         pass
 
-    def build(self, number, standby=None):
+    def build(self, number, standby=None, replica=0):
         time.sleep(0.05)
         self.claims.append((number, standby))
         if self.build_failures > 0:
@@ -412,7 +412,7 @@ def test_death_of_the_generation_being_built_dooms_it(tmp_path):
         await wait_for(lambda: sup.state is State.READY)
         sup.engines[0].die()
         sup.post(EngineFailed(1, "worker_death", "first"))
-        await wait_for(lambda: sup._building == 2)
+        await wait_for(lambda: sup.replicas[0].building == 2)
         sup.post(EngineFailed(2, "worker_death", "killed while starting"))
         await wait_for(lambda: sup.state is State.READY and sup.generation_number == 3)
         assert sup.torn_down == [1, 2]
@@ -464,12 +464,12 @@ def test_metrics_follow_the_lifecycle(tmp_path):
         assert got == reference([3], 12)
         m = sup.metrics
         assert m.state.labels("ready")._value.get() == 1 and m.state.labels("recovering")._value.get() == 0
-        assert m.generation._value.get() == 2
-        assert m.worker_deaths.labels("killed")._value.get() == 1
-        assert m.restarts.labels("worker_death")._value.get() == 1
+        assert m.generation.labels("0")._value.get() == 2 and m.replica_up.labels("0")._value.get() == 1
+        assert m.worker_deaths.labels("0", "killed")._value.get() == 1
+        assert m.restarts.labels("0", "worker_death")._value.get() == 1
         assert m.requests.labels("continued")._value.get() == 1
-        assert m.recovery_duration._sum.get() > 0 and m.ttft._sum.get() > 0 and m.e2e._sum.get() > 0
-        assert m.worker_up.labels("0")._value.get() == 1
+        assert m.recovery_duration.labels("0")._sum.get() > 0 and m.ttft._sum.get() > 0 and m.e2e._sum.get() > 0
+        assert m.worker_up.labels("0", "0")._value.get() == 1
         owner.cancel()
 
     run(scenario())
@@ -480,7 +480,7 @@ def test_streams_stuck_in_a_dead_engines_abort_are_reaped(tmp_path):
         sup = FakeSupervisor(settings(tmp_path))
         owner = asyncio.create_task(sup.run())
         await wait_for(lambda: sup.state is State.READY)
-        old = sup.current
+        old = sup.replicas[0].current
 
         def kill(n):
             if n == 3:

@@ -1,0 +1,82 @@
+"""Engine replicas and the router between them.
+
+A daemon runs ``supervisor.replicas`` replicas (``--replicas N``, default 1). A replica is a
+slot that holds one engine generation at a time and recovers on its own: its own placement
+group (``EngineBuilder.ensure_placement_group(index)``), its own worker actors, its own
+recovery task. Generation numbers are global across replicas, so a worker-death report
+(which names its generation) names its replica too.
+
+The daemon is READY while at least one replica serves. ``pick`` routes a request to the
+serving replica with the fewest streams running (least outstanding requests); when a
+replica fails, its streams are parked and ``pick`` gives them another serving replica at
+once (live migration: ``supervisor.engine_client`` continues them with prompt + delivered
+tokens, exactly as after a single-engine recovery).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from supervisor.generation import Generation
+
+
+@dataclass(eq=False)
+class Replica:
+    index: int
+    current: Generation | None = None  # the generation it serves, or the failed one until torn down
+    building: int | None = None  # the generation number being built
+    recovery: asyncio.Task | None = None  # its start or recovery, while one runs
+    record: dict[str, Any] | None = None  # the recovery under way (``Lifecycle._begin_record``)
+    served: bool = False  # a generation of it has been up
+    probe_failures: int = 0  # consecutive (``health.probe``)
+
+    def serving(self, not_gen: Generation | None = None) -> bool:
+        gen = self.current
+        return gen is not None and not gen.failed and gen is not not_gen
+
+    @property
+    def busy(self) -> bool:
+        return self.recovery is not None and not self.recovery.done()
+
+    @property
+    def state(self) -> str:
+        """serving | starting | recovering | down (for status and the ``replica_up`` metric)."""
+        if self.serving():
+            return "serving"
+        if self.busy or self.building is not None:
+            return "recovering" if self.served else "starting"
+        return "down"
+
+    def status(self) -> dict[str, Any]:
+        gen = self.current
+        return {"replica": self.index, "state": self.state, "generation": gen.number if gen else 0,
+                "instance_id": gen.instance_id if gen else "", "streams": len(gen.pumps) if gen else 0,
+                "building": self.building, "probe_failures": self.probe_failures}
+
+
+def pick(replicas: Iterable[Replica], not_gen: Generation | None = None) -> Generation | None:
+    """The serving generation with the fewest streams running (ties: the lowest index), other
+    than ``not_gen``; None when none serves."""
+    best: Replica | None = None
+    for rep in replicas:
+        if rep.serving(not_gen) and (best is None or len(rep.current.pumps) < len(best.current.pumps)):
+            best = rep
+    return best.current if best is not None else None
+
+
+def replica_of(replicas: Iterable[Replica], generation: int) -> Replica | None:
+    """The replica whose current generation is ``generation``."""
+    for rep in replicas:
+        if rep.current is not None and rep.current.number == generation:
+            return rep
+    return None
+
+
+def building(replicas: Iterable[Replica], generation: int) -> Replica | None:
+    """The replica building ``generation``."""
+    for rep in replicas:
+        if rep.building == generation:
+            return rep
+    return None

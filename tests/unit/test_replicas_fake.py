@@ -1,0 +1,152 @@
+"""Replicas against fake engines: routing by least streams, live migration of a failed
+replica's streams to a serving one (before the failed one is rebuilt), recovery in the
+background, and every replica failing. No Ray, no vLLM engine."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+from vllm import SamplingParams
+from vllm.sampling_params import RequestOutputKind
+
+from supervisor.events import EngineFailed, SignalReceived
+from supervisor.replica import pick
+from supervisor.states import State
+from tests.unit.test_supervisor_fake_engine import FakeBuilder, FakeSupervisor, reference, run, settings, wait_for
+
+
+class SlowRebuilds(FakeBuilder):
+    """First builds are quick; rebuilds take ``rebuild_s`` (a real one takes tens of seconds)."""
+
+    rebuild_s = 1.5
+
+    def build(self, number, standby=None, replica=0):
+        if number > 2:
+            time.sleep(self.rebuild_s)
+        gen = super().build(number, standby, replica)
+        gen.replica = replica
+        return gen
+
+
+async def stream(sup, prompt, n, request_id, on_token=None):
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    got = []
+    async for out in sup.client.generate({"prompt_token_ids": prompt}, params, request_id):
+        got += out.outputs[0].token_ids
+        if on_token:
+            on_token(len(got))
+    return got
+
+
+def kill(sup, index):
+    gen = sup.replicas[index].current
+    gen.engine.die()
+    sup.post(EngineFailed(gen.number, "worker_death", f"replica {index} rank 0 killed by `ray.kill`", ranks=(0,)))
+
+
+async def two_replicas(tmp_path):
+    sup = FakeSupervisor(settings(tmp_path, replicas=2), builder=SlowRebuilds())
+    states = []
+    sup.machine.on_transition.append(lambda old, new, reason: states.append(new))
+    owner = asyncio.create_task(sup.run())
+    await wait_for(lambda: all(r.serving() for r in sup.replicas))
+    return sup, owner, states
+
+
+def test_pick_takes_the_replica_with_fewest_streams():
+    from supervisor.replica import Replica
+    from types import SimpleNamespace
+
+    def gen(n, streams, failed=False):
+        return SimpleNamespace(number=n, pumps=dict.fromkeys(range(streams)), failed=failed)
+
+    a, b, c = Replica(0, gen(1, 3)), Replica(1, gen(2, 1)), Replica(2, gen(3, 0, failed=True))
+    assert pick([a, b, c]) is b.current
+    assert pick([a, b, c], not_gen=b.current) is a.current
+    assert pick([c]) is None
+
+
+def test_a_failed_replicas_streams_move_to_the_other_at_once(tmp_path):
+    async def scenario():
+        sup, owner, states = await two_replicas(tmp_path)
+        assert sup.state is State.READY and [r.current.number for r in sup.replicas] == [1, 2]
+        killed_at = []
+
+        def kill_replica_0(n):
+            if n == 6 and not killed_at:
+                killed_at.append(time.monotonic())
+                kill(sup, 0)
+
+        prompts = [[i + 1, 2, 3] for i in range(6)]
+        tasks = [asyncio.create_task(stream(sup, p, 40, f"r{i}", kill_replica_0 if i == 0 else None))
+                 for i, p in enumerate(prompts)]
+        got = await asyncio.gather(*tasks)
+        done_at = time.monotonic()
+        assert got == [reference(p, 40) for p in prompts]
+        # Least streams: three on each replica's first engine.
+        assert len(sup.engines[0].requests_seen) and len(sup.engines[1].requests_seen)
+        # Every stream finished before replica 0's rebuild (1.5 s) could have served them.
+        assert done_at - killed_at[0] < SlowRebuilds.rebuild_s
+        assert sup.outcomes["continued"] == 3 and sup.outcomes["ok"] == 3
+        assert State.RECOVERING not in states  # replica 1 served throughout
+        assert sup.replicas[0].state == "recovering"
+        await wait_for(lambda: sup.replicas[0].serving())
+        assert sup.replicas[0].current.number == 3 and sup.replicas[1].current.number == 2
+        assert sup.torn_down == [1] and sup.restarts["worker_death"] == 1
+        assert sup.recoveries[0]["replica"] == 0 and sup.recoveries[0]["to_generation"] == 3
+        status = sup.status()
+        assert [r["state"] for r in status["replicas"]] == ["serving", "serving"]
+        assert sup.metrics.replica_up.labels("0")._value.get() == 1
+        assert sup.metrics.restarts.labels("0", "worker_death")._value.get() == 1
+        assert sup.metrics.restarts.labels("1", "worker_death")._value.get() == 0
+        sup.post(SignalReceived(signal.SIGTERM))
+        assert await owner == 0
+        assert sorted(sup.torn_down) == [1, 2, 3]
+
+    run(scenario())
+
+
+def test_both_replicas_killed_one_after_the_other(tmp_path):
+    async def scenario():
+        sup, owner, states = await two_replicas(tmp_path)
+        prompts = [[i + 1, 5] for i in range(4)]
+        first = [asyncio.create_task(stream(sup, p, 30, f"a{i}", (lambda n: n == 5 and kill(sup, 0)) if i == 0 else None))
+                 for i, p in enumerate(prompts)]
+        assert await asyncio.gather(*first) == [reference(p, 30) for p in prompts]
+        await wait_for(lambda: sup.replicas[0].serving())
+        second = [asyncio.create_task(stream(sup, p, 30, f"b{i}", (lambda n: n == 5 and kill(sup, 1)) if i == 0 else None))
+                  for i, p in enumerate(prompts)]
+        assert await asyncio.gather(*second) == [reference(p, 30) for p in prompts]
+        await wait_for(lambda: sup.replicas[1].serving())
+        assert [r.current.number for r in sup.replicas] == [3, 4]
+        assert State.RECOVERING not in states and sup.outcomes["failed"] == 0
+        sup.post(SignalReceived(signal.SIGTERM))
+        assert await owner == 0
+
+    run(scenario())
+
+
+def test_with_every_replica_down_streams_wait_for_the_first_back(tmp_path):
+    async def scenario():
+        sup, owner, states = await two_replicas(tmp_path)
+        SlowRebuilds.rebuild_s = 0.3
+        try:
+            def kill_both(n):
+                if n == 5:
+                    kill(sup, 0)
+                    kill(sup, 1)
+
+            prompts = [[7, i] for i in range(4)]
+            got = await asyncio.gather(*(stream(sup, p, 30, f"c{i}", kill_both if i == 0 else None)
+                                         for i, p in enumerate(prompts)))
+            assert got == [reference(p, 30) for p in prompts]
+            assert State.RECOVERING in states and sup.state is State.READY
+            await wait_for(lambda: all(r.serving() for r in sup.replicas))
+        finally:
+            SlowRebuilds.rebuild_s = 1.5
+        sup.post(SignalReceived(signal.SIGTERM))
+        assert await owner == 0
+
+    run(scenario())
