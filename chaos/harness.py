@@ -54,7 +54,7 @@ def shm_segments() -> set[str]:
 def stale_actors(names: list[str], status: dict) -> list[str]:
     """Actor names that belong neither to the serving generation nor to the warm standby the
     daemon prepares for the next one (``status["standby"]``)."""
-    own = [f"-g{status['generation']}"]
+    own = [f"-g{r['generation']}" for r in status.get("replicas") or ()] or [f"-g{status['generation']}"]
     standby = status.get("standby") or {}
     if standby.get("state") in ("preparing", "ready", "adopting"):
         own.append(f"-g{standby['for_generation']}")
