@@ -102,8 +102,73 @@ def test_node_loss_waits_for_capacity_then_resumes(tmp_path, cluster):
         # Seen as the worker's death on a lost node (Ray's death cause), not found late by
         # the hang timeout.
         assert first["reason"] == "worker_death" and first["cause"] == "node_lost", first
-        assert re.search(r'^vllm_supervisor_worker_deaths_total\{cause="node_lost"\} [1-9]', d.get("/metrics").text, re.M)
+        assert re.search(r'^vllm_supervisor_worker_deaths_total\{cause="node_lost",replica="0"\} [1-9]', d.get("/metrics").text, re.M)
         assert len({w["node_id"] for w in inject.workers(c.address)}) == 2
+        code, _ = d.stop(signal.SIGTERM)
+        assert code == 0, d.tail()
+        d.assert_nothing_left()
+        assert inject.inspect(c.address) == {"placement_groups": [], "actors": []}
+    finally:
+        if d.proc.poll() is None:
+            d.kill()
+
+
+def test_replicas_on_two_nodes_one_node_lost_streams_move_to_the_other(tmp_path, cluster):
+    """Two TP=1 replicas placed on different nodes; the node of replica 0 is removed
+    mid-stream: its streams continue at once on replica 1 (the daemon never leaves READY),
+    replica 0 waits for capacity and rebuilds once a node is added."""
+    c, _ = cluster
+    config = {
+        "engine": {"tensor_parallel_size": 1, "max_model_len": 1024},
+        "ray": {"address": c.address, "placement_timeout_s": 3},
+        "supervisor": {"replicas": 2, "max_restarts": 50, "restart_backoff_initial_s": 0.5, "restart_backoff_max_s": 2,
+                       "probe_interval_s": 1.0, "hang_timeout_s": 10},
+    }
+    d = Daemon(tmp_path, config, env={"RAY_AUTH_MODE": "token"}).start()
+    try:
+        d.wait_ready()
+        deadline = time.monotonic() + 300
+        while not all(r["state"] == "serving" for r in status(d)["replicas"]):
+            assert time.monotonic() < deadline, status(d)
+            time.sleep(0.3)
+        workers = d.full_status()["workers"]
+        node_of = {w["replica"]: w["node_id"] for w in workers}
+        assert len(set(node_of.values())) == 2, workers  # one replica per node
+        ref = as_reference(asyncio.run(run_with_fault(d.base_url, len(PROMPTS), MAX_TOKENS))[0])
+        before = {r["replica"]: r["generation"] for r in status(d)["replicas"]}
+        victim = next(n for n in c.list_all_nodes() if n.node_id == node_of[0])
+        streaming, removed = threading.Event(), threading.Event()
+
+        def remove_during_streams():  # once every stream has tokens; the main thread removes the node
+            streaming.set()
+            removed.wait(120)
+
+        holder: dict = {}
+        load = threading.Thread(target=lambda: holder.update(result=asyncio.run(
+            run_with_fault(d.base_url, 8, MAX_TOKENS, remove_during_streams))))
+        load.start()
+        assert streaming.wait(120)
+        c.remove_node(victim)  # Ray's Cluster helpers want the main thread
+        removed.set()
+        states = set()
+        while load.is_alive():  # replica 1 finishes every stream while replica 0 has no node
+            states.add(status(d)["state"])
+            time.sleep(0.3)
+        records, _ = holder["result"]
+        summary = compare(records, ref)
+        assert summary["failed"] == 0 and summary["mismatched"] == 0, (summary, [r.error for r in records])
+        s = status(d)
+        assert s["state"] == "ready" and states == {"ready"}, (states, s)
+        assert s["replicas"][0]["state"] == "recovering" and s["replicas"][1]["generation"] == before[1], s
+        c.add_node(num_cpus=1)
+        deadline = time.monotonic() + 300
+        while status(d)["replicas"][0]["state"] != "serving":
+            assert time.monotonic() < deadline, status(d)
+            time.sleep(0.5)
+        rec = next(r for r in status(d)["recoveries"] if r["replica"] == 0)
+        assert rec["reason"] == "worker_death" and rec["cause"] == "node_lost", rec
+        nodes = {w["replica"]: w["node_id"] for w in d.full_status()["workers"]}
+        assert len(set(nodes.values())) == 2 and nodes[1] == node_of[1], nodes
         code, _ = d.stop(signal.SIGTERM)
         assert code == 0, d.tail()
         d.assert_nothing_left()

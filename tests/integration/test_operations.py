@@ -226,11 +226,12 @@ def _reference(daemon) -> dict:
 
 
 def metric(daemon, name: str, **labels: str) -> float:
-    """One sample of the daemon's /metrics (0 when absent)."""
-    sel = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    m = re.search(rf"^{re.escape(name)}{re.escape('{' + sel + '}') if sel else ''} (\S+)$",
-                  daemon.get("/metrics").text, re.M)
-    return float(m.group(1)) if m else 0.0
+    """The sum of the daemon's /metrics samples of ``name`` that carry these labels (0 when
+    absent; a series of each replica is summed)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(s.value for fam in text_string_to_metric_families(daemon.get("/metrics").text) for s in fam.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
 def test_ctl_restart_under_load_loses_nothing(daemon):

@@ -1,0 +1,203 @@
+"""What clients see when a worker dies under steady streaming load: 1 replica vs 2 replicas
+(live stream migration), in one run on one machine, on the same Ray head.
+
+``--clients`` clients each stream completions one after another (openai SDK, greedy, fixed
+length) for the whole run. After a warm-up, a worker of replica 0 is ``ray.kill``ed; the load
+goes on until that replica serves again, plus a cool-down. Repeated ``--kills`` times per
+configuration. Reported per configuration:
+
+* the largest gap each client saw between two chunks, or between sending a request and its
+  first chunk, in the window from the kill until the replica is back (p50 / p99 / max over
+  clients and kills);
+* requests failed (an error after the response started, or a 5xx) and rejected (503 at admission);
+* texts that differ from the fault-free reference of the same prompt;
+* chunks per second during the recovery window vs the warm-up before the kill.
+
+    python -m bench.migration --clients 16 --tokens 200 --kills 2
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from bench.common import MODEL_NAME, base_parser, start_daemon
+from chaos import inject
+from chaos.harness import Daemon, RayHead
+from chaos.load import PROMPTS, RequestRecord, client, compare, stream_one
+
+
+def replicas(daemon: Daemon) -> list[dict]:
+    return daemon.status()["replicas"]
+
+
+def wait_all_serving(daemon: Daemon, above: dict[int, int] | None = None, timeout_s: float = 600) -> list[dict]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        reps = replicas(daemon)
+        if all(r["state"] == "serving" and r["generation"] > (above or {}).get(r["replica"], 0) for r in reps):
+            return reps
+        time.sleep(0.1)
+    raise RuntimeError(f"replicas not serving: {daemon.status()}")
+
+
+async def load(base_url: str, clients: int, tokens: int, stop: asyncio.Event) -> list[RequestRecord]:
+    """``clients`` loops, each streaming one request after another until ``stop``."""
+    api = client(base_url)
+    records: list[RequestRecord] = []
+
+    async def loop(i: int) -> None:
+        n = 0
+        while not stop.is_set():
+            r = RequestRecord(i, PROMPTS[(i + n) % len(PROMPTS)], tokens)
+            records.append(await stream_one(api, MODEL_NAME, r))
+            n += 1
+
+    try:
+        await asyncio.gather(*(loop(i) for i in range(clients)))
+    finally:
+        await api.close()
+    return records
+
+
+def gaps_in(records: list[RequestRecord], start: float, end: float, clients: int) -> list[float]:
+    """Per client: the largest wait it saw inside [start, end] (between chunks, or from
+    sending a request to its first chunk)."""
+    worst = [0.0] * clients
+    for r in records:
+        times = [r.started, *r.chunk_times]
+        for a, b in zip(times, times[1:]):
+            if b >= start and a <= end:
+                worst[r.index] = max(worst[r.index], b - a)
+    return worst
+
+
+def chunks_per_s(records: list[RequestRecord], start: float, end: float) -> float:
+    return sum(1 for r in records for t in r.chunk_times if start <= t <= end) / max(end - start, 1e-9)
+
+
+def one_config(work: Path, head: RayHead, n_replicas: int, args: Any) -> dict[str, Any]:
+    (work / f"r{n_replicas}").mkdir(exist_ok=True)
+    daemon = start_daemon(work / f"r{n_replicas}", head, tp=1, replicas=n_replicas, max_restarts=50)
+    try:
+        daemon.wait_ready(timeout_s=600)
+        wait_all_serving(daemon)
+        inject.prepare(head.address)
+        # the fault-free reference: every prompt once, all replicas serving
+        ref_records = asyncio.run(_reference(daemon.base_url, args.tokens))
+        reference = {r.key: r for r in ref_records}
+        kills = []
+        for k in range(args.kills):
+            if n_replicas == 1:  # the warm standby (the single-replica default) ready, as in steady state
+                daemon.wait_standby()
+            kills.append(asyncio.run(_kill_under_load(daemon, head, args, reference)))
+            print(f"replicas={n_replicas} kill {k + 1}: {json.dumps({x: y for x, y in kills[-1].items() if x != 'gaps'})}",
+                  flush=True)
+        return {"replicas": n_replicas, "kills": kills}
+    finally:
+        daemon.stop()
+        inject.disconnect()
+
+
+async def _reference(base_url: str, tokens: int) -> list[RequestRecord]:
+    api = client(base_url)
+    try:
+        return list(await asyncio.gather(*(stream_one(api, MODEL_NAME, RequestRecord(i, p, tokens))
+                                           for i, p in enumerate(PROMPTS))))
+    finally:
+        await api.close()
+
+
+async def _kill_under_load(daemon: Daemon, head: RayHead, args: Any, reference: dict) -> dict[str, Any]:
+    stop = asyncio.Event()
+    task = asyncio.create_task(load(daemon.base_url, args.clients, args.tokens, stop))
+    warm_from = time.monotonic()
+    await asyncio.sleep(args.warmup_s)
+    before = {r["replica"]: r["generation"] for r in replicas(daemon)}
+    victim = replicas(daemon)[0]["instance_id"]
+    info = await asyncio.to_thread(inject.kill_worker, head.address, 0, victim)
+    killed_at = info["monotonic"]
+    await asyncio.to_thread(wait_all_serving, daemon, {0: before[0]})
+    back_at = time.monotonic()
+    await asyncio.sleep(args.cooldown_s)
+    stop.set()
+    records = await task
+    summary = compare(records, reference)
+    rejected = sum(1 for r in records if r.outcome != "ok" and r.status == 503 and not r.chunk_times)
+    gaps = gaps_in(records, killed_at, back_at, args.clients)
+    return {
+        "requests": len(records), "failed": summary["failed"] - rejected, "rejected": rejected,
+        "mismatched": summary["mismatched"], "recovery_s": round(back_at - killed_at, 2),
+        "gap_p50_s": round(statistics.median(gaps), 3), "gap_max_s": round(max(gaps), 3),
+        "chunks_per_s_before": round(chunks_per_s(records, warm_from + 2, killed_at), 1),
+        "chunks_per_s_during": round(chunks_per_s(records, killed_at, back_at), 1),
+        "gaps": [round(g, 3) for g in gaps],
+    }
+
+
+def p99(values: list[float]) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(0.99 * (len(s) - 1))))]
+
+
+def write_report(results: list[dict], out: Path, args: Any) -> str:
+    lines = [f"Live stream migration, {time.strftime('%Y-%m-%d')}: demo model on CPU (2 cores), TP=1 per replica, "
+             f"{args.clients} clients streaming {args.tokens}-token completions back to back; one `ray.kill` of a "
+             f"worker of replica 0 per round, {args.kills} round(s) per configuration, one run on one machine.", "",
+             "| configuration | largest gap per client p50 / p99 / max (s) | failed | rejected | texts differing | "
+             "chunks/s during recovery / before | replica back after (s) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for res in results:
+        ks = res["kills"]
+        gaps = [g for k in ks for g in k["gaps"]]
+        ratio = statistics.median(k["chunks_per_s_during"] / max(k["chunks_per_s_before"], 1e-9) for k in ks)
+        label = "1 replica (warm standby)" if res["replicas"] == 1 else f"{res['replicas']} replicas (live migration)"
+        lines.append(f"| {label} | {statistics.median(gaps):.2f} / {p99(gaps):.2f} / {max(gaps):.2f} | "
+                     f"{sum(k['failed'] for k in ks)} | {sum(k['rejected'] for k in ks)} | {sum(k['mismatched'] for k in ks)} | "
+                     f"{ratio:.2f} | {statistics.median(k['recovery_s'] for k in ks):.1f} |")
+    one = next((r for r in results if r["replicas"] == 1), None)
+    many = next((r for r in results if r["replicas"] > 1), None)
+    if one and many:
+        g1 = p99([g for k in one["kills"] for g in k["gaps"]])
+        g2 = p99([g for k in many["kills"] for g in k["gaps"]])
+        lines += ["", f"- p99 largest gap, 2 replicas / 1 replica: **{g2 / g1:.3f}** (goal: p99 ≤ 1 s, 0 failed, 0 rejected)"]
+    text = "\n".join(lines) + "\n"
+    (out / "migration.md").write_text(text)
+    return text
+
+
+def main() -> int:
+    parser = base_parser(__doc__)
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=200)
+    parser.add_argument("--kills", type=int, default=2)
+    parser.add_argument("--warmup-s", type=float, default=8.0)
+    parser.add_argument("--cooldown-s", type=float, default=3.0)
+    parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2])
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="bench-migration-"))
+    head = RayHead(num_cpus=2).start()
+    results = []
+    try:
+        for n in args.replicas:
+            results.append(one_config(work, head, n, args))
+    except BaseException:
+        traceback.print_exc()
+        raise
+    finally:
+        inject.disconnect()
+        head.stop()
+    (args.out / "migration.json").write_text(json.dumps(results, indent=2))
+    print(write_report(results, args.out, args))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
