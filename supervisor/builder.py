@@ -36,9 +36,12 @@ class EngineBuilder:
         self.placement_groups: dict[int, Any] = {}  # replica -> its placement group
         self.model_path = ""
         self.served_model_name = ""
-        self._shm_before_build: set[str] = set()
+        self.config_epoch = 0  # +1 each time a reload changes the engine arguments (Generation.epoch)
         self._building = threading.Lock()
+        self._placing = threading.Lock()  # one placement group at a time: each sees where the others are
+        self._shm_before: dict[int, set[str]] = {}  # generation -> the rings before its build began
         self._shm_owned: dict[int, set[str]] = {}  # generation -> the rings its build made (until torn down)
+        self._shm_at_build_start: set[str] | None = None  # while a build runs: the rings before it began
         self.predecessor_id = ""  # a crashed daemon's id whose Ray leftovers to remove (crashrecord)
 
     @property
@@ -92,10 +95,14 @@ class EngineBuilder:
         """Reuse the replica's placement group while all its bundles are placed, else
         re-create it, on a node that holds no other replica's group when there is one
         (``RayCluster.create_placement_group``)."""
-        from executor.engine import is_cpu_platform
-
         if self.cluster is None:  # the mp executor: no Ray, no placement group
             return
+        with self._placing:
+            self._ensure_placement_group(replica)
+
+    def _ensure_placement_group(self, replica: int) -> None:
+        from executor.engine import is_cpu_platform
+
         pg = self.placement_groups.get(replica)
         if pg is not None:
             if self.cluster.call("placement_group_ready", pg):
@@ -105,7 +112,7 @@ class EngineBuilder:
             del self.placement_groups[replica]
         device = "CPU" if is_cpu_platform() else "GPU"
         started = time.monotonic()
-        others = [g for r, g in self.placement_groups.items() if r != replica]
+        others = [g for r, g in list(self.placement_groups.items()) if r != replica]
         pg = self.cluster.call("create_placement_group", self.placement_group_name(replica), self.world_size, device, others)
         self.placement_groups[replica] = pg
         log.info("placement group ready", replica=replica, bundles=self.world_size, device=device,
@@ -120,23 +127,26 @@ class EngineBuilder:
 
         instance_id = self.instance_id(number)
         standby = standby or {}
+        epoch = self.config_epoch
         with self._building:
-            shm_before = vllm_segments()
+            shm_before = self._shm_before[number] = self._shm_at_build_start = vllm_segments()
             started = time.monotonic()
             log.info("building engine", engine_generation=number, instance_id=instance_id, replica=replica,
                      standby_workers=bool(standby.get("namespace")), forkserver=bool(standby.get("forkserver")))
-            self._shm_before_build = shm_before
-            engine = build_engine(EngineSpec(
-                # a copy: vLLM's config builders mutate what they are given (a reload compares args)
-                args=copy.deepcopy(self.engine_args), generation=number, instance_id=instance_id,
-                event_endpoint=self.event_endpoint,
-                placement_group=self.placement_groups.get(replica), kv_cache_space_gib=self.settings.engine.kv_cache_space_gib,
-                standby_namespace=standby.get("namespace"), use_forkserver=bool(standby.get("forkserver")),
-            ))
-            self._shm_owned[number] = vllm_segments() - shm_before
+            try:
+                engine = build_engine(EngineSpec(
+                    # a copy: vLLM's config builders mutate what they are given (a reload compares args)
+                    args=copy.deepcopy(self.engine_args), generation=number, instance_id=instance_id,
+                    event_endpoint=self.event_endpoint, placement_group=self.placement_groups.get(replica),
+                    kv_cache_space_gib=self.settings.engine.kv_cache_space_gib,
+                    standby_namespace=standby.get("namespace"), use_forkserver=bool(standby.get("forkserver")),
+                ))
+                self._shm_owned[number] = vllm_segments() - shm_before
+            finally:
+                self._shm_at_build_start = None
         build_s = time.monotonic() - started
         log.info("engine up", engine_generation=number, replica=replica, build_s=round(build_s, 2))
-        return Generation(number, instance_id, engine, shm_before, build_s, replica=replica)
+        return Generation(number, instance_id, engine, shm_before, build_s, replica=replica, epoch=epoch)
 
     # --- the warm standby (supervisor.standby) ----------------------------------------------
 
@@ -189,10 +199,23 @@ class EngineBuilder:
 
     def cleanup_failed_build(self, number: int) -> None:
         """A build that raised may have left actors and rings; unmapped rings only are removed."""
-        from executor.shm import sweep, vllm_segments
+        from executor.shm import sweep
 
         self.kill_actors(self.instance_id(number))
-        sweep(vllm_segments() - self._shm_before_build)
+        self._shm_owned.pop(number, None)
+        sweep(self._rings_of(self._shm_before.pop(number, None)))
+
+    def _rings_of(self, before: set[str] | None) -> set[str]:
+        """The rings made since ``before`` that are not another generation's: neither a
+        built one's (``_shm_owned``) nor the build running now's (made after it began)."""
+        from executor.shm import vllm_segments
+
+        if before is None:
+            return set()
+        rings = vllm_segments() - before - set().union(*self._shm_owned.values())
+        if (building := self._shm_at_build_start) is not None:
+            rings &= building
+        return rings
 
     def new_detokenizer(self, tokenizer: Any, prompt_token_ids: list[int], params: Any, request_id: str) -> Any:
         from executor.engine import new_detokenizer
@@ -201,7 +224,7 @@ class EngineBuilder:
 
     def teardown(self, gen: Generation) -> None:
         from executor.engine import engine_core_pids, engine_worker_pids, kill_pids, running, shutdown_engine
-        from executor.shm import sweep, vllm_segments
+        from executor.shm import sweep
 
         started = time.monotonic()
         local_workers = [] if self.cluster else engine_worker_pids(gen.engine)  # before their parent goes
@@ -220,16 +243,12 @@ class EngineBuilder:
         # Killed workers may take a moment to exit and unmap their rings. Rings that other
         # generations (replicas) made since this one's build began are theirs.
         self._shm_owned.pop(gen.number, None)
-        theirs = set().union(*self._shm_owned.values())
-
-        def ours() -> set[str]:
-            return vllm_segments() - gen.shm_before - theirs
-
+        self._shm_before.pop(gen.number, None)
         removed: list[str] = []
         deadline = time.monotonic() + 10.0
         while True:
-            removed += sweep(ours())
-            if not ours() or time.monotonic() > deadline:
+            removed += sweep(self._rings_of(gen.shm_before))
+            if not self._rings_of(gen.shm_before) or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
         log.info("engine torn down", engine_generation=gen.number, leftover_actors_killed=killed, stray_engine_cores=stray_cores,
@@ -239,7 +258,7 @@ class EngineBuilder:
         if self.cluster is None or self.cluster_lost:
             return
         self.released = True  # from now on a GCS that stops listening is ours going (private cluster)
-        for pg in self.placement_groups.values():
+        for pg in list(self.placement_groups.values()):
             self.cluster.call("remove_placement_group", pg)
         self.placement_groups.clear()
         self.cluster.stop()

@@ -109,10 +109,13 @@ class Supervisor(Lifecycle, Operations):
     def served_model_name(self) -> str:
         return self.builder.served_model_name
 
-    def pick(self, not_gen: Generation | None = None) -> Generation | None:
+    def pick(self, not_gen: Generation | None = None, parked: bool = False) -> Generation | None:
         """The generation a request goes to now (``supervisor.replica.pick``), other than
-        ``not_gen``; None unless READY."""
-        return pick(self.replicas, not_gen) if self.state is State.READY else None
+        ``not_gen``, built for the engine arguments the front serves (a rolling reload); None
+        unless READY (or DRAINING, for a parked request: it was admitted before the drain)."""
+        if self.state is State.READY or (parked and self.state is State.DRAINING):
+            return pick(self.replicas, not_gen, self.client.epoch)
+        return None
 
     def serving(self, not_gen: Generation | None = None) -> bool:
         return self.pick(not_gen) is not None

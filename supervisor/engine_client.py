@@ -62,6 +62,7 @@ class SupervisedEngineClient(EngineClient):
         self.tokenizer: Any = None
         self.supported_tasks: tuple[str, ...] = ()
         self.config_version = 0  # +1 per attach(): the HTTP front rebuilds vLLM's app on a change
+        self.epoch = 0  # the engine arguments (EngineBuilder.config_epoch) of the engine it attached to
         self.in_flight = 0
         self.waiting_new = 0  # new requests queued for admission
         self.parked = 0  # in-flight requests waiting for the next generation
@@ -73,11 +74,13 @@ class SupervisedEngineClient(EngineClient):
         self._live: dict[str, tuple[Generation, str]] = {}  # client request id -> (generation, engine id)
         self._reserved: collections.deque[float] = collections.deque()  # admission slots taken by check_admission
 
-    def attach(self, engine: Any, tasks: tuple[str, ...], front: tuple[Any, Any]) -> None:
+    def attach(self, engine: Any, tasks: tuple[str, ...], front: tuple[Any, Any], epoch: int = 0) -> None:
         """Take the model config and tasks of the first engine (and again after a reload
         changed engine arguments); ``front`` is this client's own (renderer, input
-        processor), which outlive every generation."""
+        processor), which outlive every generation. From now on requests go to generations
+        built for ``epoch`` only."""
         old = self.renderer
+        self.epoch = epoch
         self.vllm_config, self.model_config = engine.vllm_config, engine.model_config
         self.renderer, self.input_processor = front
         self.tokenizer = self.renderer.get_tokenizer()
@@ -333,7 +336,7 @@ class SupervisedEngineClient(EngineClient):
         die before the owner task marked it failed). New requests wait in a bounded queue up
         to ``admission_timeout_s``; parked ones wait up to ``recovery_timeout_s``."""
         owner = self.owner
-        if (gen := owner.pick(not_gen)) is not None:
+        if (gen := owner.pick(not_gen, parked)) is not None:
             return gen
         if parked and (owner.state.terminal or owner.state is State.STOPPING):
             owner.count_outcome("failed")
@@ -348,7 +351,7 @@ class SupervisedEngineClient(EngineClient):
             self.waiting_new += 1
         try:
             while True:
-                if (gen := owner.pick(not_gen)) is not None:
+                if (gen := owner.pick(not_gen, parked)) is not None:
                     return gen
                 if owner.state.terminal or owner.state is State.STOPPING:
                     return await self._admit(parked, not_gen)
@@ -379,7 +382,8 @@ class SupervisedEngineClient(EngineClient):
     def _engines(self) -> list[Any]:
         """Every serving replica's engine (for a call that changes an engine's state)."""
         owner = self.owner
-        engines = [r.current.engine for r in owner.replicas if r.serving()] if owner.state is State.READY else []
+        engines = ([r.current.engine for r in owner.replicas if r.serving() and r.current.epoch == self.epoch]
+                   if owner.state is State.READY else [])
         if not engines:
             raise EngineUnavailable(f"no engine serving: daemon is {owner.state.value} ({owner.machine.reason})")
         return engines

@@ -48,6 +48,7 @@ class Generation:
     planned: bool = False  # retired by a drain-then-rebuild (restart, reload), not by a fault
     standby: dict[str, Any] | None = None  # what its build adopted (supervisor.standby)
     replica: int = 0  # the replica it serves (supervisor.replica)
+    epoch: int = 0  # the engine arguments it was built with (EngineBuilder.config_epoch: +1 per reload that changed them)
     last_output_monotonic: float = field(default_factory=time.monotonic)  # its last token (the probe's hang check)
 
     async def reap_lingering(self, timeout_s: float = 2.0) -> None:

@@ -69,8 +69,9 @@ class Operations:
         YAML) and the environment. Supervision settings and API keys apply at once; engine
         changes by a rebuild behind a drain; an invalid config keeps the old one running
         (shown in ``ctl status``)."""
-        if self._reload_settings is None or self.state not in (State.READY, State.DRAINING):
-            log.warning("reload ignored", state=self.state.value)
+        if self._reload_settings is None or self.state not in (State.READY, State.DRAINING) or self._busy():
+            log.warning("reload ignored: send SIGHUP again once the recovery or rebuild under way has finished"
+                        if self._busy() else "reload ignored", state=self.state.value)
             return
         try:
             new, new_args = self._reload_settings()
@@ -101,6 +102,7 @@ class Operations:
         log.info("config reloaded: engine arguments changed", changed=changed)
         self.engine_args = self.builder.engine_args = new_args
         self.builder.settings = new
+        self.builder.config_epoch += 1  # requests go to the new engines once the front takes their config
         self.notifier.reloading()
         self._reloading = self._reattach = True
         self._begin_rebuild("reload", f"config reload: {', '.join(changed)[:150]} changed")
@@ -112,6 +114,7 @@ class Operations:
         drain = len(self.replicas) == 1
         if drain and self.state is State.READY:
             self.machine.transition(State.DRAINING, detail)
+        targets = [(rep, rep.current) for rep in self.replicas]  # a generation recovered since is not rebuilt again
 
         async def rebuild() -> None:
             if drain:
@@ -121,9 +124,18 @@ class Operations:
                     log.warning("drain deadline passed; continuing the rest on the new engine", in_flight=self.client.in_flight)
                 if self.state is not State.DRAINING:
                     return
-            for rep in self.replicas:
-                gen = rep.current
-                if gen is None or gen.failed or rep.busy or self.state not in (State.READY, State.DRAINING, State.RECOVERING):
+            for rep, gen in targets:
+                # Several replicas: never take down the last one serving (another may be recovering from a fault).
+                while not drain and not any(r.serving() for r in self.replicas if r is not rep) and not self.state.terminal:
+                    if self.state is State.STOPPING:
+                        return
+                    self.changed.clear()
+                    try:
+                        await aio.wait_for(self.changed.wait(), 1.0)
+                    except asyncio.TimeoutError:
+                        pass
+                if (gen is None or gen is not rep.current or gen.failed or rep.busy
+                        or self.state not in (State.READY, State.DRAINING, State.RECOVERING)):
                     continue
                 gen.failed = gen.planned = True
                 self._replica_down(rep, detail)

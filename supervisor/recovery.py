@@ -277,7 +277,7 @@ class Lifecycle:
                         rep.record["standby"] = gen.standby
                 if self.client.model_config is None or self._reattach:  # first engine, or a reload changed it
                     front = await asyncio.to_thread(self.builder.front, gen.engine)
-                    self.client.attach(gen.engine, await gen.engine.get_supported_tasks(), front)
+                    self.client.attach(gen.engine, await gen.engine.get_supported_tasks(), front, gen.epoch)
                     self._reattach = False
             except Exception as exc:
                 rep.building = None

@@ -56,12 +56,13 @@ class Replica:
                 "building": self.building, "probe_failures": self.probe_failures}
 
 
-def pick(replicas: Iterable[Replica], not_gen: Generation | None = None) -> Generation | None:
+def pick(replicas: Iterable[Replica], not_gen: Generation | None = None, epoch: int | None = None) -> Generation | None:
     """The serving generation with the fewest streams running (ties: the lowest index), other
-    than ``not_gen``; None when none serves."""
+    than ``not_gen`` and built for config ``epoch`` (when given); None when none serves."""
     best: Replica | None = None
     for rep in replicas:
-        if rep.serving(not_gen) and (best is None or len(rep.current.pumps) < len(best.current.pumps)):
+        if (rep.serving(not_gen) and (epoch is None or rep.current.epoch == epoch)
+                and (best is None or len(rep.current.pumps) < len(best.current.pumps))):
             best = rep
     return best.current if best is not None else None
 

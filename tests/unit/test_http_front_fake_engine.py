@@ -111,7 +111,7 @@ class HttpBuilder(FakeBuilder):
             time.sleep(self.build_s)
         engine = FakeEngine(self.vllm_config, self.renderer.get_tokenizer())
         self.engines.append(engine)
-        return Generation(number, f"fake-g{number}", engine, set(), 0.0)
+        return Generation(number, f"fake-g{number}", engine, set(), 0.0, replica=replica, epoch=getattr(self, "config_epoch", 0))
 
     def front(self, engine):
         return self.renderer, self.input_processor

@@ -59,13 +59,16 @@ def test_pick_takes_the_replica_with_fewest_streams():
     from supervisor.replica import Replica
     from types import SimpleNamespace
 
-    def gen(n, streams, failed=False):
-        return SimpleNamespace(number=n, pumps=dict.fromkeys(range(streams)), failed=failed)
+    def gen(n, streams, failed=False, epoch=0):
+        return SimpleNamespace(number=n, pumps=dict.fromkeys(range(streams)), failed=failed, epoch=epoch)
 
     a, b, c = Replica(0, gen(1, 3)), Replica(1, gen(2, 1)), Replica(2, gen(3, 0, failed=True))
     assert pick([a, b, c]) is b.current
     assert pick([a, b, c], not_gen=b.current) is a.current
     assert pick([c]) is None
+    # a rolling reload: once the front serves epoch 1, only epoch-1 generations take requests
+    d = Replica(3, gen(4, 5, epoch=1))
+    assert pick([a, b, d], epoch=1) is d.current and pick([a, b, d], epoch=0) is b.current
 
 
 def test_a_failed_replicas_streams_move_to_the_other_at_once(tmp_path):
@@ -146,6 +149,52 @@ def test_with_every_replica_down_streams_wait_for_the_first_back(tmp_path):
             await wait_for(lambda: all(r.serving() for r in sup.replicas))
         finally:
             SlowRebuilds.rebuild_s = 1.5
+        sup.post(SignalReceived(signal.SIGTERM))
+        assert await owner == 0
+
+    run(scenario())
+
+
+def test_parked_streams_move_to_the_other_replica_while_draining(tmp_path):
+    async def scenario():
+        sup, owner, states = await two_replicas(tmp_path)
+        got = []
+
+        async def drain_then_kill():
+            await wait_for(lambda: sum(len(r.current.pumps) for r in sup.replicas) == 4)
+            assert (await sup._on_control("drain", {}))["ok"]
+            kill(sup, 0)
+
+        prompts = [[3, i] for i in range(4)]
+        killer = asyncio.create_task(drain_then_kill())
+        got = await asyncio.gather(*(stream(sup, p, 60, f"d{i}") for i, p in enumerate(prompts)))
+        await killer
+        assert got == [reference(p, 60) for p in prompts]  # admitted before the drain: continued on replica 1
+        assert sup.state is State.DRAINING and State.RECOVERING not in states
+        await wait_for(lambda: sup.replicas[0].serving())
+        assert (await sup._on_control("resume", {}))["ok"]
+        sup.post(SignalReceived(signal.SIGTERM))
+        assert await owner == 0
+
+    run(scenario())
+
+
+def test_restart_rebuilds_replicas_one_after_another_while_the_other_serves(tmp_path):
+    async def scenario():
+        sup, owner, states = await two_replicas(tmp_path)
+        SlowRebuilds.rebuild_s = 0.3
+        try:
+            prompts = [[9, i] for i in range(4)]
+            tasks = [asyncio.create_task(stream(sup, p, 150, f"e{i}")) for i, p in enumerate(prompts)]
+            await wait_for(lambda: sum(len(r.current.pumps) for r in sup.replicas) == 4)
+            assert (await sup._on_control("restart", {}))["ok"]
+            assert await asyncio.gather(*tasks) == [reference(p, 150) for p in prompts]
+            await wait_for(lambda: not sup._busy() and all(r.serving() for r in sup.replicas), timeout_s=15)
+        finally:
+            SlowRebuilds.rebuild_s = 1.5
+        assert sorted(r.current.number for r in sup.replicas) == [3, 4]
+        assert State.RECOVERING not in states and State.DRAINING not in states  # no drain, never without an engine
+        assert sup.outcomes["failed"] == 0 and sup.restarts["operator"] == 2
         sup.post(SignalReceived(signal.SIGTERM))
         assert await owner == 0
 

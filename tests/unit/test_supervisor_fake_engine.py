@@ -137,6 +137,7 @@ class FakeBuilder:
 
     world_size = 1
     uses_ray = True
+    config_epoch = 0
     model_path, served_model_name = "/fake", "fake"
 
     def __init__(self, build_failures: int = 0):
@@ -187,7 +188,7 @@ class FakeBuilder:
         # what the executor does: adopt the live standby named for this generation, else cold
         live = [w for w in self.standby_made if w["name"] == f"w-g{number}" and self.actor_states[w["actor_id"]] == "ALIVE"]
         self.serving[number] = live[0]["actor_id"] if standby and standby["namespace"] and live else f"cold-{number}"
-        return Generation(number, f"fake-g{number}", engine, set(), 0.05)
+        return Generation(number, f"fake-g{number}", engine, set(), 0.05, replica=replica, epoch=self.config_epoch)
 
     # the warm standby, simulated: a fork server flag and one "actor" per standby
     standby_namespace = "fake-ns"
