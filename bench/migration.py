@@ -37,16 +37,6 @@ def replicas(daemon: Daemon) -> list[dict]:
     return daemon.status()["replicas"]
 
 
-def wait_all_serving(daemon: Daemon, above: dict[int, int] | None = None, timeout_s: float = 600) -> list[dict]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        reps = replicas(daemon)
-        if all(r["state"] == "serving" and r["generation"] > (above or {}).get(r["replica"], 0) for r in reps):
-            return reps
-        time.sleep(0.1)
-    raise RuntimeError(f"replicas not serving: {daemon.status()}")
-
-
 async def load(base_url: str, clients: int, tokens: int, stop: asyncio.Event) -> list[RequestRecord]:
     """``clients`` loops, each streaming one request after another until ``stop``."""
     api = client(base_url)
@@ -87,7 +77,7 @@ def one_config(work: Path, head: RayHead, n_replicas: int, args: Any) -> dict[st
     daemon = start_daemon(work / f"r{n_replicas}", head, tp=1, replicas=n_replicas, max_restarts=50)
     try:
         daemon.wait_ready(timeout_s=600)
-        wait_all_serving(daemon)
+        daemon.wait_replicas_serving(timeout_s=600)
         inject.prepare(head.address)
         # the fault-free reference: every prompt once, all replicas serving
         ref_records = asyncio.run(_reference(daemon.base_url, args.tokens))
@@ -123,7 +113,7 @@ async def _kill_under_load(daemon: Daemon, head: RayHead, args: Any, reference: 
     victim = replicas(daemon)[0]["instance_id"]
     info = await asyncio.to_thread(inject.kill_worker, head.address, 0, victim)
     killed_at = info["monotonic"]
-    await asyncio.to_thread(wait_all_serving, daemon, {0: before[0]})
+    await asyncio.to_thread(daemon.wait_replicas_serving, {0: before[0]}, 600)
     back_at = time.monotonic()
     await asyncio.sleep(args.cooldown_s)
     stop.set()

@@ -189,6 +189,17 @@ class Daemon:
 
         return request(socket_path(port=self.port), "status", timeout_s=30)["status"]
 
+    def wait_replicas_serving(self, above: dict[int, int] | None = None, timeout_s: float = 300) -> list[dict]:
+        """Until every engine replica serves, each on a generation above ``above[replica]``
+        when given; returns the replicas' status."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            reps = self.status()["replicas"]
+            if all(r["state"] == "serving" and r["generation"] > (above or {}).get(r["replica"], 0) for r in reps):
+                return reps
+            time.sleep(0.2)
+        raise AssertionError(f"replicas not all serving within {timeout_s} s: {self.status()}\n{self.tail()}")
+
     def wait_standby(self, state: str = "ready", timeout_s: float = 180, **more: Any) -> dict:
         """Wait until the warm standby is in ``state`` (and its status has ``more``); returns
         the daemon's status."""

@@ -68,7 +68,6 @@ class SupervisedEngineClient(EngineClient):
         self.parked = 0  # in-flight requests waiting for the next generation
         self.held = 0  # streams stopped by the test hook
         self._test_hooks = testhooks.enabled()  # False in production
-        self.last_output_monotonic = time.monotonic()
         self.idle = asyncio.Event()
         self.idle.set()
         self._live: dict[str, tuple[Generation, str]] = {}  # client request id -> (generation, engine id)
@@ -292,7 +291,7 @@ class SupervisedEngineClient(EngineClient):
         async def pump() -> None:
             try:
                 async for out in gen.engine.generate(prompt, params, request_id, **(kwargs or {})):
-                    self.last_output_monotonic = gen.last_output_monotonic = time.monotonic()
+                    gen.last_output_monotonic = time.monotonic()
                     queue.put_nowait(out)
                 queue.put_nowait(_END)
             except asyncio.CancelledError:

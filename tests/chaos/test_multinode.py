@@ -47,6 +47,24 @@ def status(d: Daemon) -> dict:
     return d.get("/readyz?verbose").json()
 
 
+class BackgroundStreams:
+    """``n`` streams in a thread. ``started`` is set once every stream has tokens; then the
+    fault is the main thread's (Ray's Cluster helpers want it), and the streams' runner waits
+    up to ``hold_s`` for ``release`` before it collects them (``result``: records, None)."""
+
+    def __init__(self, d: Daemon, n: int, hold_s: float):
+        self.started, self.release, self.result = threading.Event(), threading.Event(), None
+
+        def fault() -> None:
+            self.started.set()
+            self.release.wait(hold_s)
+
+        self.thread = threading.Thread(target=lambda: setattr(
+            self, "result", asyncio.run(run_with_fault(d.base_url, n, MAX_TOKENS, fault))))
+        self.thread.start()
+        assert self.started.wait(120)
+
+
 def test_node_loss_waits_for_capacity_then_resumes(tmp_path, cluster):
     c, nodes = cluster
     config = {
@@ -64,17 +82,7 @@ def test_node_loss_waits_for_capacity_then_resumes(tmp_path, cluster):
         ref = as_reference(ref_records)
         before = status(d)["generation"]
         victim = nodes[1]
-        streaming, fault_done = threading.Event(), threading.Event()
-
-        def hold_streams_during_fault():  # runs in a thread once every stream has tokens
-            streaming.set()
-            fault_done.wait(300)
-
-        holder: dict = {}
-        load = threading.Thread(target=lambda: holder.update(result=asyncio.run(
-            run_with_fault(d.base_url, 4, MAX_TOKENS, hold_streams_during_fault))))
-        load.start()
-        assert streaming.wait(120)
+        load = BackgroundStreams(d, 4, hold_s=300)  # held until capacity is back
         c.remove_node(victim)  # Ray's Cluster helpers want the main thread
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:  # no capacity: not ready, and it says why
@@ -91,9 +99,9 @@ def test_node_loss_waits_for_capacity_then_resumes(tmp_path, cluster):
         waiting = d.get("/readyz")
         assert waiting.status_code == 503 and "CPU" in waiting.json()["reason"], waiting.json()
         c.add_node(num_cpus=1)
-        fault_done.set()
-        load.join(300)
-        records, _ = holder["result"]
+        load.release.set()
+        load.thread.join(300)
+        records, _ = load.result
         summary = compare(records, ref)
         assert summary["failed"] == 0 and summary["mismatched"] == 0, (summary, [r.error for r in records])
         s = status(d)
@@ -127,44 +135,28 @@ def test_replicas_on_two_nodes_one_node_lost_streams_move_to_the_other(tmp_path,
     d = Daemon(tmp_path, config, env={"RAY_AUTH_MODE": "token"}).start()
     try:
         d.wait_ready()
-        deadline = time.monotonic() + 300
-        while not all(r["state"] == "serving" for r in status(d)["replicas"]):
-            assert time.monotonic() < deadline, status(d)
-            time.sleep(0.3)
+        d.wait_replicas_serving()
         workers = d.full_status()["workers"]
         node_of = {w["replica"]: w["node_id"] for w in workers}
         assert len(set(node_of.values())) == 2, workers  # one replica per node
         ref = as_reference(asyncio.run(run_with_fault(d.base_url, len(PROMPTS), MAX_TOKENS))[0])
         before = {r["replica"]: r["generation"] for r in status(d)["replicas"]}
         victim = next(n for n in c.list_all_nodes() if n.node_id == node_of[0])
-        streaming, removed = threading.Event(), threading.Event()
-
-        def remove_during_streams():  # once every stream has tokens; the main thread removes the node
-            streaming.set()
-            removed.wait(120)
-
-        holder: dict = {}
-        load = threading.Thread(target=lambda: holder.update(result=asyncio.run(
-            run_with_fault(d.base_url, 8, MAX_TOKENS, remove_during_streams))))
-        load.start()
-        assert streaming.wait(120)
-        c.remove_node(victim)  # Ray's Cluster helpers want the main thread
-        removed.set()
+        load = BackgroundStreams(d, 8, hold_s=120)
+        c.remove_node(victim)
+        load.release.set()
         states = set()
-        while load.is_alive():  # replica 1 finishes every stream while replica 0 has no node
+        while load.thread.is_alive():  # replica 1 finishes every stream while replica 0 has no node
             states.add(status(d)["state"])
             time.sleep(0.3)
-        records, _ = holder["result"]
+        records, _ = load.result
         summary = compare(records, ref)
         assert summary["failed"] == 0 and summary["mismatched"] == 0, (summary, [r.error for r in records])
         s = status(d)
         assert s["state"] == "ready" and states == {"ready"}, (states, s)
         assert s["replicas"][0]["state"] == "recovering" and s["replicas"][1]["generation"] == before[1], s
         c.add_node(num_cpus=1)
-        deadline = time.monotonic() + 300
-        while status(d)["replicas"][0]["state"] != "serving":
-            assert time.monotonic() < deadline, status(d)
-            time.sleep(0.5)
+        d.wait_replicas_serving({0: before[0]})
         rec = next(r for r in status(d)["recoveries"] if r["replica"] == 0)
         assert rec["reason"] == "worker_death" and rec["cause"] == "node_lost", rec
         nodes = {w["replica"]: w["node_id"] for w in d.full_status()["workers"]}

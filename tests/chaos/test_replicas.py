@@ -34,17 +34,6 @@ def replicas(daemon) -> list[dict]:
     return daemon.status()["replicas"]
 
 
-def wait_serving(daemon, generations_above: dict[int, int] | None = None, timeout_s: float = 300) -> list[dict]:
-    """Until every replica serves (each on a generation above ``generations_above[i]``)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        reps = replicas(daemon)
-        if all(r["state"] == "serving" and r["generation"] > (generations_above or {}).get(r["replica"], 0) for r in reps):
-            return reps
-        time.sleep(0.3)
-    raise AssertionError(f"replicas not all serving within {timeout_s} s: {daemon.status()}\n{daemon.tail()}")
-
-
 class StateWatch:
     """Polls ``/readyz?verbose`` in a thread: the daemon states and the HTTP codes seen."""
 
@@ -81,7 +70,7 @@ def largest_gaps(records) -> list[float]:
 def two(tmp_path_factory, ray_head):
     with start_daemon(tmp_path_factory.mktemp("replicas"), ray_head, tp=1, replicas=2, max_restarts=20) as d:
         d.wait_ready()
-        wait_serving(d)
+        d.wait_replicas_serving()
         inject.prepare(ray_head.address)
         ref = as_reference(asyncio.run(run_with_fault(d.base_url, len(PROMPTS), MAX_TOKENS))[0])
         yield d, ref
@@ -105,7 +94,7 @@ def during_recovery_requests(daemon, n: int = 4) -> list:
 @pytest.mark.parametrize("index", [0, 1])
 def test_kill_one_replica_streams_move_to_the_other(two, ray_head, index):
     daemon, ref = two
-    before = {r["replica"]: r["generation"] for r in wait_serving(daemon)}
+    before = {r["replica"]: r["generation"] for r in daemon.wait_replicas_serving()}
     fresh: list = []
 
     def fault():
@@ -123,7 +112,7 @@ def test_kill_one_replica_streams_move_to_the_other(two, ray_head, index):
     assert fresh and all(r.outcome == "ok" for r in fresh), [(r.status, r.error) for r in fresh]
     assert info["replica_state_after"] == "recovering", info  # served by the other one, not after the rebuild
     assert watch.states == {"ready"} and watch.codes == {200}, (watch.states, watch.codes)
-    after = wait_serving(daemon, {index: before[index]})
+    after = daemon.wait_replicas_serving({index: before[index]})
     assert after[1 - index]["generation"] == before[1 - index]  # the other replica was never touched
     rec = daemon.status()["recoveries"][-1]
     assert rec["replica"] == index and rec["reason"] == "worker_death" and rec["ok"], rec
@@ -134,7 +123,7 @@ def test_kill_one_replica_streams_move_to_the_other(two, ray_head, index):
 
 def test_both_replicas_killed_streams_wait_for_the_first_back(two, ray_head):
     daemon, ref = two
-    before = {r["replica"]: r["generation"] for r in wait_serving(daemon)}
+    before = {r["replica"]: r["generation"] for r in daemon.wait_replicas_serving()}
 
     def fault():
         first = kill_replica(daemon, ray_head, 0)
@@ -145,5 +134,5 @@ def test_both_replicas_killed_streams_wait_for_the_first_back(two, ray_head):
         records, _ = asyncio.run(run_with_fault(daemon.base_url, 8, MAX_TOKENS, fault))
     assert_all_exact(records, ref)
     assert "recovering" in watch.states  # none served for a while: parked, not failed
-    after = wait_serving(daemon, before)
+    after = daemon.wait_replicas_serving(before)
     assert {r["replica"] for r in daemon.status()["recoveries"][-2:]} == {0, 1}, after
