@@ -34,6 +34,11 @@ def is_cpu_platform() -> bool:
     return current_platform.is_cpu()
 
 
+def uses_compiled_graph() -> bool:
+    """vLLM's older compiled-graph Ray executor, selected as vLLM selects it."""
+    return os.environ.get("VLLM_USE_RAY_V2_EXECUTOR_BACKEND", "1").strip().lower() in ("0", "false")
+
+
 def build_engine(spec: EngineSpec):
     """Create the ``AsyncLLM`` (engine-core subprocess + Ray worker actors) from the same
     flags ``vllm serve`` reads, with our executor subclass; blocks until up."""
@@ -43,6 +48,8 @@ def build_engine(spec: EngineSpec):
 
     if spec.args.distributed_executor_backend == "mp":
         from executor.mp import SupervisedMultiprocExecutor as executor_class
+    elif uses_compiled_graph():
+        from executor.ray_cgraph import SupervisedCompiledGraphExecutor as executor_class
     else:
         from executor.ray_v2 import SupervisedRayExecutor as executor_class
 

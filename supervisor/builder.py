@@ -53,6 +53,13 @@ class EngineBuilder:
     def uses_ray(self) -> bool:
         return self.engine_args.distributed_executor_backend != "mp"
 
+    @property
+    def compiled_graph(self) -> bool:
+        """vLLM's older compiled-graph Ray executor (``VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0``)."""
+        from executor.engine import uses_compiled_graph
+
+        return self.uses_ray and uses_compiled_graph()
+
     def instance_id(self, number: int) -> str:
         return f"{self.daemon_id}-g{number}"
 

@@ -77,7 +77,9 @@ class Supervisor(Lifecycle, Operations):
         self.probe = EngineProbe(self)
         self.clusterwatch = ClusterWatch(self)
         # The standby prepares one next generation; with replicas, the others take the streams instead.
-        self.standby = Standby(self.builder, self.metrics, enabled=self.cfg.standby == "warm" and self.cfg.replicas == 1)
+        # Its workers are the V2 executor's: the compiled-graph executor cannot adopt them.
+        self.standby = Standby(self.builder, self.metrics, enabled=self.cfg.standby == "warm" and self.cfg.replicas == 1
+                               and not getattr(self.builder, "compiled_graph", False))
         if self.cfg.standby == "warm" and self.cfg.replicas > 1:
             log.info("standby off: with replicas, the serving ones take a failed one's streams", replicas=self.cfg.replicas)
         self.started_monotonic = time.monotonic()

@@ -1,0 +1,161 @@
+"""``SupervisedCompiledGraphExecutor``: vLLM's older Ray executor (``RayDistributedExecutor``,
+workers driven through a Ray Compiled Graph) with CPU support, generation-named actors and a
+liveness watcher. Selected the way vLLM selects it: the ``ray`` backend with
+``VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0``.
+
+Runs inside vLLM's engine-core process. That executor has no failure-callback slot and no
+monitor thread: a dead actor surfaces as ``ActorDiedError`` out of the compiled graph on the
+next step, and the engine core dies (measured: the client's stream gets ``EngineDeadError``
+20 ms after a ``ray.kill``). So, beside the parent:
+
+* CPU platform: ``ray_device_key = "CPU"``; the actors ask for no ``resources={"CPU": …}``
+  (Ray refuses that key; the placement-group bundle holds the core); the worker reports no
+  accelerator ids. On CUDA nothing changes.
+* Names: the actors vLLM creates get the names the V2 executor gives its workers,
+  ``vllm_Worker_<instance id>[_TP<r>][_PP<r>]`` (the generation is in the instance id, by the
+  rank they were created with), so that the supervisor's teardown and tools find them.
+* Liveness: a thread polls the workers in Ray's GCS actor table every ``WATCH_S``; the first
+  one found dead becomes a ``WorkerDeathEvent`` (rank, actor name, node, Ray's death cause).
+  The compiled graph usually notices first (its step raises ``ActorDiedError`` ≈ 20 ms after
+  a kill): that step reports the dead workers before the engine core dies of it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+import ray
+import vllm.v1.executor.ray_executor as _cg
+from vllm.platforms import current_platform
+from vllm.v1.executor.ray_utils import RayWorkerWrapper, build_actor_name
+
+from executor.reporting import CAUSE_MAX_CHARS, DeathReporter
+
+logger = logging.getLogger("vllm.supervisor.executor")
+
+WATCH_S = 0.05  # how often the workers' liveness is read from the GCS actor table
+
+
+class CpuRayWorkerWrapper(RayWorkerWrapper):
+    """The worker actor. On CPU, Ray assigns no accelerator ids."""
+
+    def get_node_and_physical_gpu_ids(self) -> tuple[str, list[int]]:
+        if current_platform.is_cpu():
+            return ray.get_runtime_context().get_node_id(), []
+        return super().get_node_and_physical_gpu_ids()
+
+
+class _NamingRay:
+    """Stands in for the executor module's ``ray`` while it creates the workers: each
+    ``ray.remote(...)(cls).remote(rpc_rank=r)`` gets the actor name of rank ``r``."""
+
+    def __init__(self, real: Any, name_of: Any, cpu: bool):
+        self._real, self._name_of, self._cpu = real, name_of, cpu
+        self.created: dict[str, tuple[int, str]] = {}  # actor id -> (rank, name)
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._real, attr)
+
+    def remote(self, *args: Any, **options: Any) -> Any:
+        if args:  # the bare decorator form: not used by the executor
+            return self._real.remote(*args, **options)
+        if self._cpu:
+            options.pop("resources", None)
+            options.setdefault("runtime_env", {"env_vars": {"TORCH_COMPILE_DISABLE": "1"}})
+        decorate = self._real.remote(**options)
+        naming = self
+
+        def wrap(cls: Any) -> Any:
+            actor_class = decorate(cls)
+
+            class Named:
+                @staticmethod
+                def remote(*a: Any, rpc_rank: int, **kw: Any) -> Any:
+                    name = naming._name_of(rpc_rank)
+                    handle = actor_class.options(name=name).remote(*a, rpc_rank=rpc_rank, **kw)
+                    naming.created[handle._actor_id.hex()] = (rpc_rank, name)
+                    return handle
+
+            return Named()
+
+        return wrap
+
+
+class SupervisedCompiledGraphExecutor(DeathReporter, _cg.RayDistributedExecutor):
+    """Compiled-graph Ray executor that reports worker deaths to the vllm-supervisor daemon."""
+
+    def _init_executor(self) -> None:
+        self._wire()
+        self._instance_id = self.vllm_config.instance_id
+        cpu = current_platform.is_cpu()
+        if cpu:
+            current_platform.ray_device_key = "CPU"
+        _cg.RayWorkerWrapper = CpuRayWorkerWrapper
+        p = self.parallel_config
+        real = _cg.ray
+        naming = _NamingRay(real, lambda r: build_actor_name(self._instance_id, r, p.tensor_parallel_size,
+                                                             p.pipeline_parallel_size, 1), cpu)
+        _cg.ray = naming
+        try:
+            super()._init_executor()
+        finally:
+            _cg.ray = real
+        self._watched = dict(naming.created)
+        self._stop_watch = threading.Event()
+        threading.Thread(target=self._watch, name="CompiledGraphWorkerWatch", daemon=True).start()
+        logger.info("generation %d: %d compiled-graph worker actor(s) up: %s", self._generation,
+                    len(self._watched), sorted(name for _, name in self._watched.values()))
+
+    def _execute_dag(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super()._execute_dag(*args, **kwargs)
+        except Exception as exc:
+            self._report_failure(exc)
+            raise
+
+    def _report_failure(self, exc: BaseException) -> None:
+        """A step failed: report the workers that died (from Ray's actor table, else the
+        actor the error names) before the engine core dies of it."""
+        if self._reported:
+            return
+        dead = self._dead_workers()
+        watched = getattr(self, "_watched", {})
+        if not dead and getattr(exc, "actor_id", None) in watched:
+            rank, name = watched[exc.actor_id]
+            dead = [(rank, name, "", f"{type(exc).__name__}: {exc}"[:CAUSE_MAX_CHARS])]
+        if dead:
+            self._record_death(dead)
+
+    def _watch(self) -> None:
+        while not self._stop_watch.wait(WATCH_S):
+            if dead := self._dead_workers():
+                self._record_death(dead)
+                return
+
+    def _dead_workers(self) -> list:
+        from ray._private import state
+
+        dead = []
+        for actor_id, (rank, name) in getattr(self, "_watched", {}).items():
+            try:
+                info = state.actors(actor_id=actor_id)
+            except Exception:  # the GCS unreachable: the supervisor's cluster watch sees that
+                continue
+            if info.get("State") == "DEAD":
+                cause = str(info.get("DeathCause") or "actor dead")[:CAUSE_MAX_CHARS]
+                dead.append((rank, name, (info.get("Address") or {}).get("NodeID", ""), cause))
+        return dead
+
+    def shutdown(self) -> None:
+        stop = getattr(self, "_stop_watch", None)
+        if stop is not None and not stop.is_set():
+            stop.set()
+            # The compiled graph's ActorDiedError often kills the engine core (which shuts this
+            # executor down) before the next poll: look once more while the workers are as
+            # the failure left them (the parent's shutdown kills the rest).
+            if not self._reported and (dead := self._dead_workers()):
+                self._record_death(dead)
+        super().shutdown()

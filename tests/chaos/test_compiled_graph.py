@@ -1,0 +1,52 @@
+"""vLLM's older compiled-graph Ray executor (``VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0``) under the
+daemon, TP=2 on a real Ray head: a ``ray.kill`` of a worker mid-stream is reported as that
+worker's death (rank, actor name, Ray's cause) by ``executor.ray_cgraph``'s watcher, every
+stream continues exactly on the next generation, and nothing is left behind."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import pytest
+
+from chaos import inject
+from chaos.harness import Daemon
+from chaos.load import PROMPTS, as_reference, run_with_fault
+from tests.chaos.test_recovery import FAST_PROBES, assert_all_exact, assert_clean_generation, MAX_TOKENS, stop_leaves_nothing
+
+pytestmark = pytest.mark.integration
+
+
+def test_compiled_graph_executor_kill_mid_stream(tmp_path, ray_head):
+    config = {
+        "engine": {"tensor_parallel_size": 2, "max_model_len": 1024},
+        "ray": {"address": ray_head.address},
+        "supervisor": {**FAST_PROBES, "max_restarts": 10},
+    }
+    env = {"RAY_AUTH_MODE": "token", "VLLM_USE_RAY_V2_EXECUTOR_BACKEND": "0"}
+    with Daemon(tmp_path, config, env=env).start() as daemon:
+        daemon.wait_ready()
+        inject.prepare(ray_head.address)
+        s = daemon.status()
+        assert s["standby"]["mode"] == "none" or s["standby"]["state"] == "off", s["standby"]
+        names = sorted(w["name"] for w in inject.workers(ray_head.address, match=s["replicas"][0]["instance_id"]))
+        assert [re.sub(r".*-g\d+", "", n) for n in names] == ["_TP0", "_TP1"], names  # the generation in the name
+        ref = as_reference(asyncio.run(run_with_fault(daemon.base_url, len(PROMPTS), MAX_TOKENS))[0])
+        before = s["generation"]
+        records, info = asyncio.run(run_with_fault(daemon.base_url, 6, MAX_TOKENS,
+                                                   lambda: inject.kill_worker(ray_head.address, rank=1)))
+        assert_all_exact(records, ref)
+        assert_clean_generation(daemon, ray_head, before)
+        rec = daemon.status()["recoveries"][-1]
+        # the executor's typed report (rank, actor, Ray's cause), even when a request saw the
+        # engine core die first (then it refines that recovery's cause)
+        assert rec["ok"] and rec["reason"] == "worker_death" and rec["cause"] == "killed", rec
+        assert "rank(s) [1]" in rec["detail"] and "_TP1" in rec["detail"], rec
+        log = daemon.log_path.read_text(errors="replace")
+        assert re.search(r"generation 1: worker rank\(s\) \[1\] died; supervisor notified", log), daemon.tail()
+        detect_ms = (rec["detected_monotonic"] - info["monotonic"]) * 1000
+        print(f"\ncompiled graph, kill rank 1: detection {detect_ms:.0f} ms, recovery {rec['reason']}"
+              f"{' (refined from ' + rec['refined_from'] + ')' if rec.get('refined_from') else ''}, "
+              f"cause {rec.get('cause')}, phases {rec['phases_s']}")
+        stop_leaves_nothing(daemon, ray_head)
