@@ -48,7 +48,7 @@ def write_toml(path: Path, config: dict[str, dict[str, Any]]) -> Path:
 
 
 def shm_segments() -> set[str]:
-    return {p.name for p in SHM.iterdir() if p.name.startswith(("psm_", "sem.mp-")) or "cpushm" in p.name}
+    return {p.name for p in SHM.iterdir() if p.name.startswith(("psm_", "sem.mp-", "sem.hdr", "sem.obj")) or "cpushm" in p.name}
 
 
 def stale_actors(names: list[str], status: dict) -> list[str]:

@@ -207,6 +207,15 @@ def private_token() -> None:
         os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
 
 
+def kill_handles(handles: list) -> None:
+    """``ray.kill`` (no restart) each actor handle; one already gone is skipped."""
+    for handle in handles:
+        try:
+            ray.kill(handle, no_restart=True)
+        except Exception:  # already gone
+            pass
+
+
 def names_instance(name: str, instance_id: str) -> bool:
     """Whether actor ``name`` belongs to engine ``instance_id`` (``..._<id>`` or ``..._<id>_TP1``):
     ``-g1`` must not match ``-g12``."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from typing import Any
 
 import ray
@@ -108,6 +109,17 @@ class SupervisedCompiledGraphExecutor(DeathReporter, _cg.RayDistributedExecutor)
         threading.Thread(target=self._watch, name="CompiledGraphWorkerWatch", daemon=True).start()
         logger.info("generation %d: %d compiled-graph worker actor(s) up: %s", self._generation,
                     len(self._watched), sorted(name for _, name in self._watched.values()))
+
+    def compile_or_warm_up_model(self) -> Any:
+        """After the workers' warm-up, compile the graph now rather than on the first step (vLLM's
+        default): a compile on the first request stalls it for seconds on a cold host, long enough
+        for the supervisor's hang detector to call a healthy engine hung."""
+        result = super().compile_or_warm_up_model()
+        if self.forward_dag is None:
+            started = time.monotonic()
+            self.forward_dag = self._compiled_ray_dag(enable_asyncio=False)
+            logger.info("generation %d: compiled graph built in %.2f s", self._generation, time.monotonic() - started)
+        return result
 
     def _execute_dag(self, *args: Any, **kwargs: Any) -> Any:
         try:

@@ -92,7 +92,8 @@ class SupervisedRayExecutor(DeathReporter, _v2.RayExecutorV2):
     def _adopt_standby(self, options: dict, init_kwargs: dict) -> Any:
         """The standby named ``options["name"]``, adopted with ``init_kwargs``; None when
         there is none or it cannot be adopted (vLLM then creates the actor)."""
-        from executor.standby import CLAIM_PREFIX, claim_bundle, kill
+        from executor.cluster import kill_handles
+        from executor.standby import CLAIM_PREFIX, claim_bundle
 
         name = options["name"]
         try:
@@ -112,7 +113,7 @@ class SupervisedRayExecutor(DeathReporter, _v2.RayExecutorV2):
             pid = ray.get(handle.adopt.remote(placement, claimed_ids, **init_kwargs))
         except Exception as exc:
             logger.warning("standby %s not adopted (%s): creating the worker", name, exc)
-            kill([h for h in (handle, claim) if h is not None])
+            kill_handles([h for h in (handle, claim) if h is not None])
             return None
         if claim is not None:
             self._claims.append(claim)
@@ -158,9 +159,9 @@ class SupervisedRayExecutor(DeathReporter, _v2.RayExecutorV2):
         super().shutdown()
         _unlink_shm(rings)
         if getattr(self, "_claims", None):
-            from executor.standby import kill
+            from executor.cluster import kill_handles
 
-            kill(self._claims)
+            kill_handles(self._claims)
             self._claims = []
 
     def _collect_dead_ranks(self) -> list[Dead]:

@@ -31,7 +31,7 @@ import time
 from typing import Any
 
 from config import RaySettings
-from executor.cluster import RayCluster, names_instance, private_token
+from executor.cluster import RayCluster, kill_handles, names_instance, private_token
 
 AGENT_TITLE = "vllm-supervisor: ray agent"
 
@@ -75,12 +75,12 @@ class RayService(RayCluster):
         super().shutdown()
 
     def kill_instance_actors(self, instance_id: str) -> list[str]:
-        from executor.standby import kill
-
+        # Not executor.standby's kill: importing that module imports vLLM and torch, ≈ 5 s the
+        # first time, which a daemon without a standby paid on its first recovery's teardown.
         # Adopted standbys first, by handle (and their handles dropped: Ray ends an actor whose
         # creator holds none), so that a failing kill by name below cannot keep them.
         adopted = [a for a, (name, _) in self.handles.items() if names_instance(name, instance_id)]
-        kill([self.handles.pop(a)[1] for a in adopted])
+        kill_handles([self.handles.pop(a)[1] for a in adopted])
         return super().kill_instance_actors(instance_id)
 
     # --- the warm standby's workers (executor.standby) ----------------------------------
@@ -100,9 +100,9 @@ class RayService(RayCluster):
 
     def kill_standby(self, actor_ids: list[str], wait_s: float) -> None:
         """Kill standby workers and wait (bounded) until Ray has released their names."""
-        from executor.standby import actor_state, kill
+        from executor.standby import actor_state
 
-        kill([self.handles.pop(a)[1] for a in actor_ids if a in self.handles])
+        kill_handles([self.handles.pop(a)[1] for a in actor_ids if a in self.handles])
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline and any(actor_state(a)["state"] != "DEAD" for a in actor_ids):
             time.sleep(0.1)

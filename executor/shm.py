@@ -2,7 +2,8 @@
 
 Workers are stopped with ``ray.kill`` and a dead engine core never runs its
 finalizers, so their shared-memory rings (``psm_*``) and the CPU communicator's
-``*cpushm*`` files stay. We attribute segments to an engine generation by what
+``*cpushm*`` files stay; the compiled-graph executor's Ray channels leave their named POSIX
+semaphores (``sem.hdr<pid>-*``, ``sem.obj<pid>-*``). We attribute segments to an engine generation by what
 appeared while it was being built, and remove only those of ours that no live
 process still maps.
 """
@@ -14,7 +15,7 @@ import re
 from pathlib import Path
 
 SHM_DIR = Path("/dev/shm")
-_VLLM_SEGMENT = re.compile(r"^(psm_|wnsm_)|cpushm")
+_VLLM_SEGMENT = re.compile(r"^(psm_|wnsm_|sem\.(hdr|obj)\d+-)|cpushm")
 
 
 def vllm_segments(shm_dir: Path = SHM_DIR) -> set[str]:

@@ -156,13 +156,6 @@ def actor_state(actor_id: str) -> dict:
             "death": str(death)[:300] if death else ""}
 
 
-def kill(handles: list[Any]) -> None:
-    for handle in handles:
-        try:
-            ray.kill(handle, no_restart=True)
-        except Exception:  # already gone
-            pass
-
 
 # --- the executor's side: adopting -----------------------------------------------------
 

@@ -11,7 +11,8 @@ import re
 import pytest
 
 from chaos import inject
-from chaos.harness import Daemon
+from chaos.harness import Daemon, shm_segments
+from executor.shm import mapped_segments
 from chaos.load import PROMPTS, as_reference, run_with_fault
 from tests.chaos.test_recovery import FAST_PROBES, assert_all_exact, assert_clean_generation, MAX_TOKENS, stop_leaves_nothing
 
@@ -33,18 +34,21 @@ def test_compiled_graph_executor_kill_mid_stream(tmp_path, ray_head):
         names = sorted(w["name"] for w in inject.workers(ray_head.address, match=s["replicas"][0]["instance_id"]))
         assert [re.sub(r".*-g\d+", "", n) for n in names] == ["_TP0", "_TP1"], names  # the generation in the name
         ref = as_reference(asyncio.run(run_with_fault(daemon.base_url, len(PROMPTS), MAX_TOKENS))[0])
-        before = s["generation"]
+        before = daemon.status()["generation"]  # the generation the kill hits
         records, info = asyncio.run(run_with_fault(daemon.base_url, 6, MAX_TOKENS,
                                                    lambda: inject.kill_worker(ray_head.address, rank=1)))
         assert_all_exact(records, ref)
         assert_clean_generation(daemon, ray_head, before)
+        # the killed generation's compiled-graph channels: their named semaphores are swept too
+        sems = {n for n in (shm_segments() - daemon.shm_before) - mapped_segments() if n.startswith(("sem.hdr", "sem.obj"))}
+        assert not sems, sorted(sems)[:10]
         rec = daemon.status()["recoveries"][-1]
         # the executor's typed report (rank, actor, Ray's cause), even when a request saw the
         # engine core die first (then it refines that recovery's cause)
         assert rec["ok"] and rec["reason"] == "worker_death" and rec["cause"] == "killed", rec
         assert "rank(s) [1]" in rec["detail"] and "_TP1" in rec["detail"], rec
         log = daemon.log_path.read_text(errors="replace")
-        assert re.search(r"generation 1: worker rank\(s\) \[1\] died; supervisor notified", log), daemon.tail()
+        assert re.search(rf"generation {before}: worker rank\(s\) \[1\] died; supervisor notified", log), daemon.tail()
         detect_ms = (rec["detected_monotonic"] - info["monotonic"]) * 1000
         print(f"\ncompiled graph, kill rank 1: detection {detect_ms:.0f} ms, recovery {rec['reason']}"
               f"{' (refined from ' + rec['refined_from'] + ')' if rec.get('refined_from') else ''}, "
