@@ -46,13 +46,14 @@ chaos: venv
 	VLLM_SUPERVISOR_FUZZ_S=$(FUZZ_S) $(PY) -m pytest -q -s fuzz/test_schemathesis.py
 
 # Benchmarks (tens of minutes): serving overhead vs vllm serve, recovery vs cold start and
-# process restart, 1 vs 2 replicas under load (live migration), and a 50-fault soak with trend plot. Results: bench/results/.
+# process restart, 1 vs 2 replicas under load (live migration), idle workers per Ray executor, and a 50-fault soak with trend plot. Results: bench/results/.
 bench: venv
 	$(PY) -m pip install --quiet $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e ".[$(FLAVOR),test,bench]"
 	$(PY) -m pip uninstall --yes --quiet torchvision torchaudio torchcodec supervisor 2>/dev/null || true
 	$(PY) -m bench.serving_overhead --rounds 8
 	$(PY) -m bench.recovery --tp 1 2 --kills 5 --anchors 2
 	$(PY) -m bench.migration --clients 16 --tokens 200 --kills 2
+	$(PY) -m bench.executor_idle --tp 2 --window-s 20
 	$(PY) -m chaos.soak --faults 50 --seed 11 --tp 2 --plot --out bench/results
 
 clean:

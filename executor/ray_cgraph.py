@@ -26,6 +26,7 @@ import logging
 import os
 import threading
 import time
+from concurrent.futures import Future
 from typing import Any
 
 import ray
@@ -47,6 +48,17 @@ class CpuRayWorkerWrapper(RayWorkerWrapper):
         if current_platform.is_cpu():
             return ray.get_runtime_context().get_node_id(), []
         return super().get_node_and_physical_gpu_ids()
+
+    def execute_model_ray(self, execute_model_input: tuple) -> Any:
+        # A later pipeline stage copies its input into the model runner's intermediate-tensor
+        # buffers, which vLLM allocates in a dummy run (profiling, warm-up) that the CPU build
+        # never makes: its first step failed `assert self.intermediate_tensors is not None`.
+        # Allocate them as that dummy run does (gpu_model_runner._dummy_run).
+        runner = self.worker.model_runner if self.worker is not None else None
+        if runner is not None and getattr(runner, "intermediate_tensors", 0) is None and len(execute_model_input) == 3:
+            runner.intermediate_tensors = runner.model.make_empty_intermediate_tensors(
+                batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device)
+        return super().execute_model_ray(execute_model_input)
 
 
 class _NamingRay:
@@ -123,10 +135,24 @@ class SupervisedCompiledGraphExecutor(DeathReporter, _cg.RayDistributedExecutor)
 
     def _execute_dag(self, *args: Any, **kwargs: Any) -> Any:
         try:
-            return super()._execute_dag(*args, **kwargs)
+            out = super()._execute_dag(*args, **kwargs)
         except Exception as exc:
             self._report_failure(exc)
             raise
+        if isinstance(out, Future):
+            # With PP the step returns a future: the ActorDiedError comes out of its result()
+            # in the engine core's loop, which then dies. Report from there too.
+            result = out.result
+
+            def checked(timeout: float | None = None) -> Any:
+                try:
+                    return result(timeout)
+                except Exception as exc:
+                    self._report_failure(exc)
+                    raise
+
+            out.result = checked
+        return out
 
     def _report_failure(self, exc: BaseException) -> None:
         """A step failed: report the workers that died (from Ray's actor table, else the

@@ -40,6 +40,20 @@ class AgentGone(RuntimeError):
     """The agent process was killed (cluster lost) or died while a call was in flight."""
 
 
+def preload_worker_classes() -> None:
+    """Import the worker actors' classes (and so vLLM and torch) now, in the background.
+
+    ``ray.get_actor`` loads the actor's class to build its handle: the first kill of a
+    leftover worker by name (a teardown whose engine core died before it could kill its
+    survivors) imported vLLM and torch, ≈ 5 s on 2 cores, inside a recovery. The agent of a
+    daemon with a warm standby imports them anyway; without one it costs ≈ 600 MiB RSS."""
+    try:
+        import executor.ray_cgraph  # noqa: F401
+        import executor.ray_v2  # noqa: F401
+    except Exception:  # a broken import shows where the engine is built, with its context
+        pass
+
+
 class RayService(RayCluster):
     """The object the agent serves: ``RayCluster``'s calls, ``ray.init`` on a thread of its
     own, and the standby's actor handles."""
@@ -68,6 +82,7 @@ class RayService(RayCluster):
         ready.wait()
         if "error" in done:
             raise done["error"]
+        threading.Thread(target=preload_worker_classes, name="preload", daemon=True).start()
         return done["address"], self.started_local
 
     def shutdown(self) -> None:
@@ -75,8 +90,6 @@ class RayService(RayCluster):
         super().shutdown()
 
     def kill_instance_actors(self, instance_id: str) -> list[str]:
-        # Not executor.standby's kill: importing that module imports vLLM and torch, ≈ 5 s the
-        # first time, which a daemon without a standby paid on its first recovery's teardown.
         # Adopted standbys first, by handle (and their handles dropped: Ray ends an actor whose
         # creator holds none), so that a failing kill by name below cannot keep them.
         adopted = [a for a, (name, _) in self.handles.items() if names_instance(name, instance_id)]
