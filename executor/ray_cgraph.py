@@ -17,7 +17,14 @@ next step, and the engine core dies (measured: the client's stream gets ``Engine
 * Liveness: a thread polls the workers in Ray's GCS actor table every ``WATCH_S``; the first
   one found dead becomes a ``WorkerDeathEvent`` (rank, actor name, node, Ray's death cause).
   The compiled graph usually notices first (its step raises ``ActorDiedError`` ≈ 20 ms after
-  a kill): that step reports the dead workers before the engine core dies of it.
+  a kill): that step (with PP, its future's ``result()``) reports the dead workers before the
+  engine core dies of it.
+* The graph is compiled at the end of the build, not on the first step.
+* PP on the CPU build: a later stage's intermediate-tensor buffers are allocated on its first
+  step (vLLM allocates them in a dummy run the CPU build does not make).
+
+Cost: Ray's compiled-graph channels busy-poll, so each worker holds a core even while idle
+(``bench.executor_idle``).
 """
 
 from __future__ import annotations
