@@ -25,6 +25,8 @@ log = logs.get_logger("vllm_supervisor.clusterwatch")
 
 INTERVAL_S = 0.2
 CONNECT_TIMEOUT_S = 1.0
+# An outage's first failed check comes at most this long after the GCS stopped answering.
+SEEN_LATE_S = INTERVAL_S + CONNECT_TIMEOUT_S
 
 
 def split_address(address: str) -> tuple[str, int] | None:

@@ -21,7 +21,7 @@ from typing import Any
 
 from health.metrics import death_cause
 from supervisor import aio, logs
-from health.clusterwatch import listening, split_address
+from health.clusterwatch import SEEN_LATE_S, listening, split_address
 from supervisor.events import ClusterLost, EngineFailed, RecoveryFinished, StopFinished
 from supervisor.generation import Generation
 from supervisor.policy import backoff_s
@@ -137,12 +137,25 @@ class Lifecycle:
         await self.standby.cluster_lost()
         self._doomed.update(being_built)
         reason = f"ray cluster lost ({event.address}: {event.detail}); waiting up to {timeout:g} s for it"
+        self._refine_to_cluster_lost(event, reason)
         serving = [r.current for r in self.replicas if r.serving()]
         for gen in serving:
             if self.state is not State.STOPPING:
                 self._on_engine_failed(EngineFailed(gen.number, "ray_lost", reason, event.detected_monotonic))
         if not serving and self.state is State.RECOVERING:
             self.machine.transition(State.RECOVERING, reason)
+
+    def _refine_to_cluster_lost(self, event: ClusterLost, reason: str) -> None:
+        """A recovery under way from a worker's or the engine core's death that was seen once
+        the GCS may already have stopped answering: the head's processes died together (the
+        executor reports its workers gone at once; the loss counts only after
+        ``gcs_lost_after_s``). Its cause is the cluster's loss."""
+        for rep in self.replicas:
+            rec = rep.record
+            if (rec and rec["reason"] in ("worker_death", "engine_dead")
+                    and rec["detected_monotonic"] >= event.detected_monotonic - SEEN_LATE_S):
+                log.info("failure cause refined", cause="ray_lost", replica=rep.index, refined_from=rec["reason"])
+                rec.update(reason="ray_lost", detail=reason[:300], refined_from=rec["reason"], cause=None)
 
     async def _await_cluster(self) -> tuple[bool, str]:
         """Until the deadline: wait for the lost GCS to listen again (a private cluster is

@@ -679,6 +679,32 @@ def test_lost_gcs_parks_streams_and_the_rebuild_waits_until_it_listens_again(tmp
     run(scenario())
 
 
+def test_a_worker_death_seen_after_the_gcs_went_quiet_counts_as_the_cluster_lost(tmp_path):
+    """The head's processes die together: the executor reports its worker gone at once, the
+    cluster watch only after gcs_lost_after_s. The recovery's cause is the cluster's loss."""
+    async def scenario():
+        gcs, builder, sup, owner = await serving_beside_a_gcs(tmp_path, gcs_lost_after_s=0.3, reconnect_timeout_s=30)
+        teardown = builder.teardown
+        builder.teardown = lambda gen: (time.sleep(1.0), teardown(gen))[1]  # the loss is seen mid-recovery
+        await gcs.stop()
+        sup.post(EngineFailed(1, "worker_death", "rank(s) [0] (vllm_Worker_x-g1): ActorUnavailableError: Socket closed"))
+        await wait_for(lambda: builder.cluster_lost, 5)
+        await gcs.start()
+        await wait_for(lambda: sup.state is State.READY and sup.generation_number == 2, 10)
+        rec = sup.recoveries[-1]
+        assert rec["reason"] == "ray_lost" and rec["refined_from"] == "worker_death", rec
+        assert "ray cluster lost" in rec["detail"] and sup.restarts["ray_lost"] == 1 and sup.restarts["worker_death"] == 0
+        # a worker death while the GCS answers stays one
+        sup.post(EngineFailed(2, "worker_death", "rank(s) [0] (vllm_Worker_x-g2): killed"))
+        await wait_for(lambda: sup.state is State.READY and sup.generation_number == 3, 10)
+        assert sup.recoveries[-1]["reason"] == "worker_death" and "refined_from" not in sup.recoveries[-1]
+        sup.post(SignalReceived(signal.SIGTERM))
+        assert await owner == 0
+        await gcs.stop()
+
+    run(scenario())
+
+
 def test_gcs_not_back_before_the_deadline_exits_75(tmp_path):
     async def scenario():
         gcs, builder, sup, owner = await serving_beside_a_gcs(tmp_path, gcs_lost_after_s=0.2, reconnect_timeout_s=1.5)
