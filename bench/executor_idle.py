@@ -21,8 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import MODEL_NAME, base_parser
-from bench.recovery import _cpu_s, _rss_mib
+from bench.common import MODEL_NAME, base_parser, process_usage
 from chaos import inject
 from chaos.harness import Daemon, RayHead
 
@@ -43,10 +42,7 @@ def measure(work: Path, head: RayHead, name: str, v2: str, args) -> dict:
         time.sleep(args.settle_s)
         instance = daemon.status()["replicas"][0]["instance_id"]
         workers = {w["name"].rsplit("-g", 1)[-1]: w["pid"] for w in inject.workers(head.address, match=instance)}
-        before = {k: _cpu_s(p) for k, p in workers.items()}
-        time.sleep(args.window_s)
-        per_worker = {k: {"cpu_pct": round(100 * (_cpu_s(p) - before[k]) / args.window_s, 1), "rss_mib": round(_rss_mib(p))}
-                      for k, p in workers.items()}
+        per_worker = process_usage(workers, args.window_s)
         daemon.stop()
     total = round(sum(w["cpu_pct"] for w in per_worker.values()), 1)
     print(f"{name}: idle workers {per_worker}, {total} % of a core in all", flush=True)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import statistics
 import subprocess
@@ -28,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import MODEL_NAME, VllmServe, base_parser, spread, start_daemon
+from bench.common import MODEL_NAME, VllmServe, base_parser, process_usage, spread, start_daemon
 from chaos import inject
 from chaos.harness import BIN, Daemon, RayHead
 from chaos.load import first_token_after, run_with_fault
@@ -142,25 +141,11 @@ def build_phases(daemon: Daemon) -> list[dict[str, float]]:
     return out
 
 
-def _cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat", "rb") as fh:
-        fields = fh.read().rsplit(b")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as fh:
-        return next(int(line.split()[1]) for line in fh if line.startswith("VmRSS")) / 1024
-
-
 def idle_cost(daemon: Daemon, window_s: float = 30.0) -> dict:
     """RSS and CPU of the standby's processes while it waits (same host only)."""
     sb = daemon.wait_standby()["standby"]
     pids = {"fork server": sb["forkserver_pid"], **{f"worker rank {w['rank']}": w["pid"] for w in sb["workers"]}}
-    before = {k: _cpu_s(p) for k, p in pids.items()}
-    time.sleep(window_s)
-    return {k: {"rss_mib": round(_rss_mib(p)), "cpu_pct": round(100 * (_cpu_s(p) - before[k]) / window_s, 2)}
-            for k, p in pids.items()}
+    return process_usage(pids, window_s)
 
 
 def run_tp(work: Path, head: RayHead, tp: int, args) -> dict:

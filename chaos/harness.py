@@ -189,6 +189,13 @@ class Daemon:
 
         return request(socket_path(port=self.port), "status", timeout_s=30)["status"]
 
+    def unmapped_segments(self) -> set[str]:
+        """``/dev/shm`` segments that appeared since this daemon started and no live process
+        maps: what a torn-down generation left behind (multiprocessing's ``sem.mp-*`` aside)."""
+        from executor.shm import mapped_segments
+
+        return {n for n in (shm_segments() - self.shm_before) - mapped_segments() if not n.startswith("sem.mp-")}
+
     def wait_replicas_serving(self, above: dict[int, int] | None = None, timeout_s: float = 300) -> list[dict]:
         """Until every engine replica serves, each on a generation above ``above[replica]``
         when given; returns the replicas' status."""

@@ -28,7 +28,6 @@ from typing import Any, Callable
 from chaos import inject
 from chaos.harness import Daemon, RayHead, marked_pids, shm_segments, stale_actors
 from chaos.load import PROMPTS, as_reference, compare, first_token_after, run_with_fault
-from executor.shm import mapped_segments
 
 FAULTS = ["ray_kill", "sigkill_worker", "sigstop_worker", "kill_engine_core", "kill_all_workers", "double_fault"]
 
@@ -92,7 +91,7 @@ class Soak:
     def leftovers(self, generation: int) -> dict[str, Any]:
         seen = inject.inspect(self.head.address)
         stale = stale_actors([a["name"] for a in seen["actors"]], self.status())
-        unmapped = sorted(n for n in (shm_segments() - self.daemon.shm_before) - mapped_segments() if not n.startswith("sem."))
+        unmapped = sorted(self.daemon.unmapped_segments())
         return {
             "placement_groups": len(seen["placement_groups"]),
             "actors": len(seen["actors"]),

@@ -30,7 +30,6 @@ Cost: Ray's compiled-graph channels busy-poll, so each worker holds a core even 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from concurrent.futures import Future

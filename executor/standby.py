@@ -156,7 +156,6 @@ def actor_state(actor_id: str) -> dict:
             "death": str(death)[:300] if death else ""}
 
 
-
 # --- the executor's side: adopting -----------------------------------------------------
 
 

@@ -21,8 +21,7 @@ import pytest
 from chaos import inject
 from chaos.harness import Daemon
 from chaos.load import as_reference, compare, run_with_fault, specs
-from executor.shm import mapped_segments
-from chaos.harness import shm_segments, stale_actors
+from chaos.harness import stale_actors
 
 pytestmark = pytest.mark.integration
 
@@ -107,8 +106,7 @@ def test_two_kills_per_round_client_text_equals_a_fault_free_run(daemon, ray_hea
     names = [a["name"] for a in seen["actors"]]
     assert names and not stale_actors(names, daemon.status()), names
     assert len(seen["placement_groups"]) == 1, seen
-    leaked = (shm_segments() - daemon.shm_before) - mapped_segments()
-    assert not {n for n in leaked if not n.startswith("sem.")}, leaked
+    assert not daemon.unmapped_segments(), daemon.unmapped_segments()
     print(f"\nround {round_}: {N} requests, held mid-character at the first kill: {held_at_kill[0]}, "
           f"in flight at the second: {info['in_flight_at_second']}, continued: {continued}, text mismatches: 0")
 

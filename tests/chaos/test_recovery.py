@@ -16,8 +16,7 @@ import pytest
 
 from chaos import inject
 from chaos.load import PROMPTS, as_reference, compare, run_with_fault
-from executor.shm import mapped_segments
-from chaos.harness import Daemon, RayHead, shm_segments, stale_actors
+from chaos.harness import Daemon, RayHead, stale_actors
 
 pytestmark = pytest.mark.integration
 
@@ -67,8 +66,7 @@ def assert_clean_generation(daemon: Daemon, ray_head: RayHead, before: int) -> d
     names = [a["name"] for a in seen["actors"]]
     assert names and not stale_actors(names, daemon.status()), names
     assert len(seen["placement_groups"]) == 1 and seen["placement_groups"][0]["state"] == "CREATED", seen
-    leaked = (shm_segments() - daemon.shm_before) - mapped_segments()
-    assert not {n for n in leaked if not n.startswith("sem.")}, leaked
+    assert not daemon.unmapped_segments(), daemon.unmapped_segments()
     return s
 
 
