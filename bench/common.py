@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 import httpx
 
-from chaos.harness import Daemon, RayHead, demo_model_path, free_port, shm_segments
+from chaos.harness import OPERATOR_ENV, Daemon, RayHead, demo_model_path, free_port, shm_segments
 from executor.shm import sweep
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,7 +102,7 @@ def start_daemon(workdir: Path, head: RayHead, tp: int = 1, max_model_len: int =
     config = {"engine": {"tensor_parallel_size": tp, "max_model_len": max_model_len},
               "ray": {"address": head.address}, "supervisor": supervisor}
     # the same front-end flag as VllmServe: vLLM's access log off in both
-    return Daemon(workdir, config, env={"RAY_AUTH_MODE": "token"}, args=("--disable-uvicorn-access-log",)).start()
+    return Daemon(workdir, config, env=OPERATOR_ENV, args=("--disable-uvicorn-access-log",)).start()
 
 
 def bench_serve(base_url: str, result_dir: Path, name: str, num_prompts: int, rate: float, input_len: int,

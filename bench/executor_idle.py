@@ -23,7 +23,7 @@ import httpx
 
 from bench.common import MODEL_NAME, base_parser, process_usage
 from chaos import inject
-from chaos.harness import Daemon, RayHead
+from chaos.harness import OPERATOR_ENV, Daemon, RayHead
 
 EXECUTORS = {"ray V2 (default)": "1", "compiled graph": "0"}
 
@@ -31,7 +31,7 @@ EXECUTORS = {"ray V2 (default)": "1", "compiled graph": "0"}
 def measure(work: Path, head: RayHead, name: str, v2: str, args) -> dict:
     config = {"engine": {"tensor_parallel_size": args.tp, "max_model_len": 1024},
               "ray": {"address": head.address}, "supervisor": {"standby": "none", "probe_interval_s": args.probe_interval_s}}
-    env = {"RAY_AUTH_MODE": "token", "VLLM_USE_RAY_V2_EXECUTOR_BACKEND": v2}
+    env = {**OPERATOR_ENV, "VLLM_USE_RAY_V2_EXECUTOR_BACKEND": v2}
     (work / v2).mkdir(parents=True, exist_ok=True)
     with Daemon(work / v2, config, env=env).start() as daemon:
         daemon.wait_ready()

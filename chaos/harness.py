@@ -21,6 +21,28 @@ BIN = Path(sys.executable).parent
 SHM = Path("/dev/shm")
 MARKER_ENV = "VLLM_SUPERVISOR_TEST_MARKER"
 
+# The environment of the user who started the run, as it was then. Every daemon starts from it
+# (plus what its test names), never from what the test process later put in its own environment
+# (the operator's token below, say): a daemon on its private cluster gets what a user's shell
+# has, nothing more.
+USER_ENV = dict(os.environ)
+# The clusters the tests start themselves (``ray start --head``, ``ray.cluster_utils``) stand for
+# an operator's cluster: token auth with the operator's token, which the operator exports, with
+# the mode, in the shell that runs the daemon (``systemd/vllm-supervisor.env``) or an injector.
+OPERATOR_ENV = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+RAY_AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")
+
+
+def as_operator() -> None:
+    """This process joins the operator's clusters (to start one, or to inject a fault): the
+    operator's token in its own environment, before Ray is imported (Ray reads the mode then).
+    Daemons never inherit it (they start from ``USER_ENV``)."""
+    os.environ.update(OPERATOR_ENV)
+    if "ray" in sys.modules:  # imported already: refresh its cached config, as ray.init() does on enabling token mode
+        from ray._raylet import Config
+
+        Config.initialize("")
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -94,9 +116,12 @@ class Daemon:
         config.setdefault("server", {}).update(port=self.port, host="127.0.0.1")
         if shared_data_dir:  # else the daemon's own default (under its HOME) applies
             config.setdefault("supervisor", {}).setdefault("data_dir", str(data_dir()))
+        if not config.get("ray", {}).get("address") and any((env or {}).get(k) is not None for k in RAY_AUTH_VARS):
+            # a test must not hand a daemon on its private cluster what a user's shell lacks
+            raise ValueError(f"a daemon on its private Ray cluster starts with the user's Ray auth settings, not {env}")
         self.config_path = write_toml(workdir / "daemon.toml", config)
         self.log_path = workdir / "daemon.log"
-        inherited = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
+        inherited = {k: v for k, v in USER_ENV.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
         merged = dict(inherited, **(env or {}), **{MARKER_ENV: self.marker})
         self.env = {k: v for k, v in merged.items() if v is not None}  # None: unset it
         self.proc: subprocess.Popen | None = None
@@ -326,10 +351,11 @@ class RayHead:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.marker = uuid.uuid4().hex
-        # A private cluster gets its own token unless the caller set one (a fresh machine has
-        # no ~/.ray/auth_token); the daemons and injectors of this process inherit it.
-        os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
-        self.env = dict(os.environ, RAY_AUTH_MODE="token", RAY_USAGE_STATS_ENABLED="0", **{MARKER_ENV: self.marker})
+        # the operator's cluster: started, and joined by its daemons and injectors, with the operator's
+        # token; this process, which starts it, is its operator
+        as_operator()
+        self.client_env = dict(OPERATOR_ENV)
+        self.env = dict(USER_ENV, **OPERATOR_ENV, RAY_USAGE_STATS_ENABLED="0", **{MARKER_ENV: self.marker})
         self.num_cpus = num_cpus
 
     def start(self) -> "RayHead":

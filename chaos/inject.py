@@ -12,7 +12,8 @@ actors ``vllm_Worker_<instance id>[_TP<r>][_PP<r>]``; the daemon's instance id i
 Without ``--match``, the worker commands target each daemon's serving engine (its lowest
 live generation): the warm standby's actors already carry the next generation's names.
 ``kill-worker --standby`` kills a standby actor instead.
-Ray 2.60 clusters use token auth: ``RAY_AUTH_MODE=token`` is set here by default.
+Ray 2.60 clusters use token auth: export the cluster's ``RAY_AUTH_MODE=token`` and
+``RAY_AUTH_TOKEN`` as for any Ray client (README, "Fault injection").
 """
 
 from __future__ import annotations
@@ -30,12 +31,9 @@ import time
 from executor.engine import child_pids
 
 WORKER_PREFIX = "vllm_Worker_"
-# Read by Ray when it is imported: set before anything here imports it.
-os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 
 def _connect(address: str) -> None:
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
     import ray
 
     if not ray.is_initialized():

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from chaos import inject
-from chaos.harness import Daemon, RayHead, marked_pids, shm_segments, stale_actors
+from chaos.harness import OPERATOR_ENV, Daemon, RayHead, marked_pids, shm_segments, stale_actors
 from chaos.load import PROMPTS, as_reference, compare, first_token_after, run_with_fault
 
 FAULTS = ["ray_kill", "sigkill_worker", "sigstop_worker", "kill_engine_core", "kill_all_workers", "double_fault"]
@@ -53,7 +53,7 @@ class Soak:
             "supervisor": {"max_restarts": 10 * args.faults + 10, "probe_interval_s": 1.0, "hang_timeout_s": 6.0,
                            "probe_timeout_s": 5.0, "restart_backoff_initial_s": 0.2},
         }
-        self.daemon = Daemon(workdir, config, env={"RAY_AUTH_MODE": "token"}).start()
+        self.daemon = Daemon(workdir, config, env=OPERATOR_ENV).start()
         self.rows: list[dict[str, Any]] = []
 
     def status(self) -> dict:

@@ -41,8 +41,8 @@ import httpx
 import openai
 
 from chaos import inject
-from chaos.harness import Daemon, RayHead
-from chaos.load import PROMPTS, RequestRecord, client, compare, specs, stream_one
+from chaos.harness import OPERATOR_ENV, Daemon, RayHead
+from chaos.load import RequestRecord, client, compare, specs, stream_one
 from chaos.soak import proc_stats, stop_and_inspect
 
 LENGTHS = (48, 160, 400, 800)
@@ -84,7 +84,7 @@ class Stress:
                            "restart_backoff_initial_s": 0.2, "admission_queue_size": args.queue},
         }
         try:
-            self.daemon = Daemon(workdir, config, env={"RAY_AUTH_MODE": "token"}).start()
+            self.daemon = Daemon(workdir, config, env=OPERATOR_ENV).start()
         except BaseException:
             self.head.stop()
             raise

@@ -193,17 +193,25 @@ class RayCluster:
 
 
 def private_token() -> None:
-    """Give the private cluster a token of its own, in this process's environment only.
+    """Give the private cluster token auth with a token of its own, in this process's
+    environment only, so that every process the daemon starts (the Ray agent, the fork
+    server, engine cores, workers) inherits both and joins with it.
 
     Its GCS, raylet and workers listen on every interface (Ray 2.60 binds ``*`` even with
     ``_node_ip_address=127.0.0.1``) behind Ray's token auth, and without a token Ray writes
     one to ``~/.ray/auth_token`` with mode 0644: any local user who can enter the home
     directory could then drive the cluster. A token in the environment is never written to
-    disk; the engine core and Ray's processes inherit it. ``RAY_AUTH_MODE=disabled`` and a
-    token the operator set are left alone."""
+    disk. ``RAY_AUTH_MODE`` must be exported too: ``ray.init()`` turns token mode on only in
+    the process that starts the cluster, and a client given an address (vLLM's engine core
+    with ``RAY_ADDRESS``) never turns it on by itself, so it would connect with auth
+    "disabled" and be refused. The operator's own ``RAY_AUTH_MODE`` (``disabled`` included)
+    and ``RAY_AUTH_TOKEN`` win."""
     import secrets
 
-    if os.environ.get("RAY_AUTH_MODE", "token").lower() != "disabled" and not os.environ.get("RAY_AUTH_TOKEN"):
+    if os.environ.get("RAY_AUTH_MODE", "token").lower() == "disabled":
+        return
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    if not os.environ.get("RAY_AUTH_TOKEN"):
         os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
 
 

@@ -76,7 +76,6 @@ async def serve_control(path: str, status: Any, submit: Any) -> None:
     """The daemon side: JSON over a pyzmq REP socket, 0600. ``status()`` (a coroutine) answers
     ``status`` here; every other command goes to ``submit(cmd, args)``, which hands it to the
     owner task and returns its reply."""
-    import asyncio
 
     import zmq.asyncio
 

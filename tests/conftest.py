@@ -1,23 +1,20 @@
 """Fixtures shared by the integration and chaos tiers."""
 
 import contextlib
-import os
-import secrets
 import socket
 import threading
 
-# Ray 2.60 clusters use token auth; a client reads RAY_AUTH_MODE when Ray is imported, and
-# vLLM imports Ray, so it has to be set before any test module is loaded.
-os.environ.setdefault("RAY_AUTH_MODE", "token")
-# Token mode needs a token, and a fresh machine has no ~/.ray/auth_token (`ray start` and
-# `ray.cluster_utils.Cluster` refuse to start without one): every cluster this run starts and
-# every client in it (daemons, injectors) share a token made for the run; HOME is not read.
-os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
+from chaos.harness import RayHead, as_operator  # first: it keeps the user's environment for the daemons
+
+# The test process is the operator of the Ray heads the chaos tests start and the fault injector
+# that joins them: it exports the operator's token (Ray reads the mode when it is imported, and
+# vLLM imports Ray). The daemons never inherit it: each starts from the user's environment
+# (``chaos.harness.USER_ENV``), and one on an operator's cluster is handed the token by its test.
+as_operator()
 
 import pytest  # noqa: E402
 
 from chaos import inject  # noqa: E402
-from chaos.harness import RayHead  # noqa: E402
 
 
 @contextlib.contextmanager

@@ -11,7 +11,7 @@ import re
 import pytest
 
 from chaos import inject
-from chaos.harness import Daemon
+from chaos.harness import OPERATOR_ENV, Daemon
 from chaos.load import PROMPTS, as_reference, run_with_fault
 from tests.chaos.test_recovery import FAST_PROBES, assert_all_exact, assert_clean_generation, MAX_TOKENS, stop_leaves_nothing
 
@@ -37,7 +37,7 @@ def test_compiled_graph_executor_kill_mid_stream(tmp_path, ray_head, layout):
         # front little CPU; a 5 s canary was once called a hang in the reference run.
         "supervisor": {**FAST_PROBES, "hang_timeout_s": 30.0, "probe_timeout_s": 20.0, "max_restarts": 10},
     }
-    env = {"RAY_AUTH_MODE": "token", "VLLM_USE_RAY_V2_EXECUTOR_BACKEND": "0"}
+    env = {**OPERATOR_ENV, "VLLM_USE_RAY_V2_EXECUTOR_BACKEND": "0"}
     with Daemon(tmp_path, config, env=env).start() as daemon:
         daemon.wait_ready()
         inject.prepare(ray_head.address)

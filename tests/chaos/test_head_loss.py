@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from chaos import inject
-from chaos.harness import Daemon, RayHead
+from chaos.harness import OPERATOR_ENV, Daemon, RayHead
 from chaos.load import as_reference, compare, run_with_fault
 
 pytestmark = pytest.mark.integration
@@ -35,7 +35,7 @@ def start_daemon(workdir, head: RayHead, reconnect_timeout_s: float) -> Daemon:
         "ray": {"address": head.address, "reconnect_timeout_s": reconnect_timeout_s},
         "supervisor": {"probe_interval_s": 1.0, "restart_backoff_initial_s": 0.2},
     }
-    return Daemon(workdir, config, env={"RAY_AUTH_MODE": "token"}).start()
+    return Daemon(workdir, config, env=OPERATOR_ENV).start()
 
 
 def batch(daemon: Daemon, fault=None):

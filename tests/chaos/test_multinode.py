@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import os
 import signal
 import threading
 import time
@@ -15,7 +14,7 @@ import time
 import pytest
 
 from chaos import inject
-from chaos.harness import Daemon
+from chaos.harness import OPERATOR_ENV, Daemon, as_operator
 from chaos.load import PROMPTS, as_reference, compare, run_with_fault
 
 pytestmark = pytest.mark.integration
@@ -25,7 +24,7 @@ MAX_TOKENS = 300
 
 @pytest.fixture(scope="module")
 def cluster():
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    as_operator()  # the test process starts this cluster: its operator
     from ray.cluster_utils import Cluster
 
     c = Cluster(initialize_head=True, connect=False, head_node_args={"num_cpus": 0})
@@ -73,7 +72,7 @@ def test_node_loss_waits_for_capacity_then_resumes(tmp_path, cluster):
         "supervisor": {"max_restarts": 50, "restart_backoff_initial_s": 0.5, "restart_backoff_max_s": 2,
                        "probe_interval_s": 1.0, "hang_timeout_s": 10},
     }
-    d = Daemon(tmp_path, config, env={"RAY_AUTH_MODE": "token"}).start()
+    d = Daemon(tmp_path, config, env=OPERATOR_ENV).start()
     try:
         d.wait_ready()
         workers = inject.workers(c.address)
@@ -132,7 +131,7 @@ def test_replicas_on_two_nodes_one_node_lost_streams_move_to_the_other(tmp_path,
         "supervisor": {"replicas": 2, "max_restarts": 50, "restart_backoff_initial_s": 0.5, "restart_backoff_max_s": 2,
                        "probe_interval_s": 1.0, "hang_timeout_s": 10},
     }
-    d = Daemon(tmp_path, config, env={"RAY_AUTH_MODE": "token"}).start()
+    d = Daemon(tmp_path, config, env=OPERATOR_ENV).start()
     try:
         d.wait_ready()
         d.wait_replicas_serving()

@@ -16,7 +16,7 @@ import pytest
 
 from chaos import inject
 from chaos.load import PROMPTS, as_reference, compare, run_with_fault
-from chaos.harness import Daemon, RayHead, stale_actors
+from chaos.harness import OPERATOR_ENV, Daemon, RayHead, stale_actors
 
 pytestmark = pytest.mark.integration
 
@@ -31,7 +31,7 @@ def start_daemon(workdir, ray_head, tp: int, port: int | None = None, **supervis
         "ray": {"address": ray_head.address},
         "supervisor": {**FAST_PROBES, **supervisor},
     }
-    return Daemon(workdir, config, env={"RAY_AUTH_MODE": "token"}, port=port).start()
+    return Daemon(workdir, config, env=OPERATOR_ENV, port=port).start()
 
 
 def wait_state(daemon: Daemon, state: str, timeout_s: float = 240) -> dict:

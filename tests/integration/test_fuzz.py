@@ -21,14 +21,13 @@ import asyncio
 import json
 import os
 import socket
-import subprocess
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from chaos.harness import BIN, Daemon
+from chaos.harness import Daemon
 from chaos.load import as_reference, compare, run_with_fault
 
 pytestmark = pytest.mark.integration

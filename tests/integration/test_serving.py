@@ -33,7 +33,7 @@ def home(tmp_path_factory):
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory, notify_socket, home):
     # as on a new machine: no Ray token anywhere (the test run's own is not passed on)
-    env = {"NOTIFY_SOCKET": notify_socket[0], "WATCHDOG_USEC": "2000000", "HOME": str(home), "RAY_AUTH_TOKEN": None}
+    env = {"NOTIFY_SOCKET": notify_socket[0], "WATCHDOG_USEC": "2000000", "HOME": str(home)}
     with Daemon(tmp_path_factory.mktemp("tp1"), {"engine": {"tensor_parallel_size": 1}}, env=env,
                 shared_data_dir=False, args=("--enable-auto-tool-choice", "--tool-call-parser", "hermes")).start() as d:
         d.wait_ready()

@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from chaos import inject
-from chaos.harness import Daemon
+from chaos.harness import OPERATOR_ENV, Daemon
 
 pytestmark = pytest.mark.integration
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory, ray_head):
     config = {"engine": {"tensor_parallel_size": 2}, "ray": {"address": ray_head.address}}
-    with Daemon(tmp_path_factory.mktemp("tp2"), config, env={"RAY_AUTH_MODE": "token"}).start() as d:
+    with Daemon(tmp_path_factory.mktemp("tp2"), config, env=OPERATOR_ENV).start() as d:
         d.wait_ready()
         yield d
 

@@ -15,7 +15,6 @@ import time
 import uuid
 from pathlib import Path
 
-import pytest
 
 from executor.reaper import descendants, process_table, read_pids, reap, start_time
 from supervisor import crashrecord
