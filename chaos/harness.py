@@ -17,6 +17,8 @@ from typing import Any
 
 import httpx
 
+from chaos.leaks import Leaks
+
 BIN = Path(sys.executable).parent
 SHM = Path("/dev/shm")
 MARKER_ENV = "VLLM_SUPERVISOR_TEST_MARKER"
@@ -131,6 +133,7 @@ class Daemon:
 
     def start(self) -> "Daemon":
         self.shm_before = shm_segments()
+        self.leaks = Leaks()  # the whole /dev/shm listing and every process, before the daemon
         Daemon.live_markers.add(self.marker)
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
@@ -274,6 +277,7 @@ class Daemon:
         while self.leftover_pids() and time.monotonic() < deadline:
             time.sleep(0.2)
         sweep(self.new_segments())
+        self.leaks.kill_new(allow=self.kept_running)  # and whatever escaped its tree
 
     @property
     def daemon_id(self) -> str:
@@ -312,22 +316,28 @@ class Daemon:
         held_by_others = mapped_segments(pids=others) if others else set()
         return (shm_segments() - self.shm_before) - held_by_others
 
+    def kept_running(self) -> list[int]:
+        """The roots of what the test keeps running on purpose beside this daemon: the other
+        live daemons of this process and the Ray heads it started as an operator."""
+        return [pid for marker in (Daemon.live_markers - {self.marker}) | RayHead.live_markers
+                for pid in marked_pids(marker)]
+
     def assert_nothing_left(self, settle_s: float = 15) -> None:
-        """No descendant processes and no new shared-memory segments of ours remain."""
+        """Nothing of ours remains: no process started since the daemon did (its descendants,
+        orphans re-parented to init included, whatever their name) and no new ``/dev/shm``
+        entry (whatever its name), less what the test keeps running on purpose
+        (``kept_running``)."""
+        from chaos.leaks import cmdline
+
         deadline = time.monotonic() + settle_s
         while True:
             pids = self.leftover_pids()
-            shm = self.new_segments()
-            if not pids and not shm:
+            new = self.leaks.new(allow=self.kept_running)
+            if not pids and not new["processes"] and not new["shm"]:
                 return
             if time.monotonic() > deadline:
-                cmds = {}
-                for pid in pids:
-                    try:
-                        cmds[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:120]
-                    except OSError:
-                        pass
-                raise AssertionError(f"left behind: processes {cmds}, /dev/shm {sorted(shm)}")
+                cmds = {pid: cmdline(pid) for pid in pids} | new["processes"]
+                raise AssertionError(f"left behind: processes {cmds}, /dev/shm {new['shm']}")
             time.sleep(0.5)
 
 
@@ -347,6 +357,8 @@ def demo_model_path() -> Path:
 class RayHead:
     """A private Ray head node (``ray start --head``), as on a real cluster; stopped by marker."""
 
+    live_markers: set[str] = set()  # of the heads this process started and that still run
+
     def __init__(self, num_cpus: int = 2):
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
@@ -365,6 +377,7 @@ class RayHead:
              "--object-store-memory=268435456"],
             env=self.env, check=True, capture_output=True, timeout=120,
         )
+        RayHead.live_markers.add(self.marker)
         return self
 
     def tool(self, *args: str) -> dict:
@@ -381,6 +394,7 @@ class RayHead:
 
         # The agents the raylet starts overwrite their environment (setproctitle): found
         # as the marked processes' descendants.
+        RayHead.live_markers.discard(self.marker)
         marked = marked_pids(self.marker)
         reap({(pid, st) for pid in marked if (st := start_time(pid)) is not None})
         deadline = time.monotonic() + 20

@@ -2,7 +2,7 @@
 
     vllm-supervisor serve [MODEL] [any `vllm serve` flag] [supervision flags]
     vllm-supervisor check-config [TOML] [supervision flags]
-    vllm-supervisor ctl status|drain|resume|restart|kill-worker RANK [--replica N]
+    vllm-supervisor ctl status|drain|resume|restart|kill-worker RANK [--replica N]|ray-env
     vllm-supervisor run --config TOML [...]     (the pre-0.2 form; same as serve)
 
 ``serve`` parses with vLLM's own parser (``make_arg_parser``) plus the supervision group

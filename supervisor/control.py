@@ -1,6 +1,7 @@
 """The control socket: JSON requests over a pyzmq REP socket on a local IPC path (0600).
 
     vllm-supervisor ctl [--socket PATH] status [--json] | drain | resume | restart | kill-worker RANK [--replica N]
+                                         | ray-env
 
 Requests are ``{"cmd": NAME, "args": {...}}``; replies ``{"ok": bool, ...}``. JSON only,
 never pickle. The daemon side only validates and enqueues; its owner task acts.
@@ -16,7 +17,14 @@ from typing import Any
 
 import zmq
 
-COMMANDS = ("status", "drain", "resume", "restart", "kill-worker")
+COMMANDS = ("status", "drain", "resume", "restart", "kill-worker", "ray-env")
+# What a Ray client needs to join the daemon's cluster (its private one included): ``ray-env``
+# hands them to the daemon's own user (the socket is 0600), as ``export`` lines for a shell.
+RAY_CLIENT_ENV = ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN")
+
+
+def ray_client_env() -> dict[str, str]:
+    return {k: os.environ[k] for k in RAY_CLIENT_ENV if os.environ.get(k)}
 
 
 def socket_path(configured: str = "", port: int = 8000, uds: str = "") -> str:
@@ -101,6 +109,8 @@ async def serve_control(path: str, status: Any, submit: Any) -> None:
                 cmd, args = parse_request(raw)
                 if cmd == "status":
                     reply = {"ok": True, "status": await status()}
+                elif cmd == "ray-env":
+                    reply = {"ok": True, "env": ray_client_env()}
                 else:
                     reply = await aio.wait_for(submit(cmd, args), 60)
             except ValueError as exc:
@@ -175,6 +185,8 @@ def main(argv: list[str]) -> int:
     kill = sub.add_parser("kill-worker", help="drill: ray.kill the worker of RANK (of replica N)")
     kill.add_argument("rank", type=int)
     kill.add_argument("--replica", type=int, default=0)
+    sub.add_parser("ray-env", help="export lines that let a Ray client (ray CLI, chaos.inject) join the daemon's "
+                                   "cluster: its address, auth mode and token")
     args = parser.parse_args(argv)
     payload = {"rank": args.rank, "replica": args.replica} if args.cmd == "kill-worker" else {}
     path = socket_path(args.socket, args.port, args.uds)
@@ -188,6 +200,10 @@ def main(argv: list[str]) -> int:
         return 1
     if args.cmd == "status" and not args.json:
         print(_table(reply["status"]))
+    elif args.cmd == "ray-env":
+        import shlex
+
+        print("\n".join(f"export {k}={shlex.quote(v)}" for k, v in reply["env"].items()))
     else:
         print(json.dumps(reply, indent=2))
     return 0

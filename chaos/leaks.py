@@ -1,0 +1,135 @@
+"""What a run left behind, found without knowing what to look for.
+
+A leak check that looks for known names (``psm_*`` rings, ``vllm_Worker`` actors) or follows
+known parents misses the new kind of segment and the process orphaned to init. ``Leaks``
+snapshots the whole of ``/dev/shm`` and every process when a test begins; at the end, whatever
+is new in ``/dev/shm`` and every process of this user, in this session, started since and
+still running, that descends from this process or was orphaned (re-parented to init), is a
+leftover, less a short named allow-list (``allow``: the trees of what the test keeps running
+on purpose, like another live daemon or the Ray head it started as an operator).
+
+Stdlib only (the smoke of ``.ci/`` runs it before anything else is imported).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Callable, Iterable
+
+SHM = Path("/dev/shm")
+Proc = tuple[int, int]  # (pid, start time in clock ticks since boot)
+
+
+def processes() -> dict[int, dict]:
+    """Every live process we can read (zombies excluded): pid -> ppid, session, start, uid."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as fh:
+                fields = fh.read().rsplit(b")", 1)[1].split()
+            uid = os.stat(f"/proc/{entry}").st_uid
+        except OSError:
+            continue
+        if fields[0] not in (b"Z", b"X"):
+            out[int(entry)] = {"ppid": int(fields[1]), "sid": int(fields[3]), "start": int(fields[19]), "uid": uid}
+    return out
+
+
+def tree(roots: Iterable[int], table: dict[int, dict]) -> set[int]:
+    """``roots`` (those alive) and all their live descendants."""
+    children: dict[int, list[int]] = {}
+    for pid, p in table.items():
+        children.setdefault(p["ppid"], []).append(pid)
+    out: set[int] = set()
+    todo = [r for r in roots if r in table]
+    while todo:
+        pid = todo.pop()
+        if pid not in out:
+            out.add(pid)
+            todo += children.get(pid, ())
+    return out
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()[:160]
+    except OSError:
+        return "?"
+
+
+def mapped_by(pids: set[int]) -> set[str]:
+    """``/dev/shm`` names mapped (or held open) by ``pids``."""
+    names: set[str] = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps", "rb") as fh:
+                for line in fh:
+                    idx = line.find(b"/dev/shm/")
+                    if idx >= 0:
+                        names.add(line[idx + 9:].split(b" (deleted)")[0].strip().decode(errors="replace"))
+        except OSError:
+            continue
+    return names
+
+
+class Leaks:
+    """A snapshot now; ``new()`` later lists what appeared since and is still there."""
+
+    def __init__(self) -> None:
+        self.me = os.getpid()
+        self.uid = os.getuid()
+        self.sid = os.getsid(0)
+        self.before: set[Proc] = {(pid, p["start"]) for pid, p in processes().items()}
+        self.shm_before = set(os.listdir(SHM))
+
+    def new(self, allow: Callable[[], Iterable[int]] = lambda: ()) -> dict[str, object]:
+        """{"processes": {pid: command line}, "shm": [names]}: what is new and not allowed.
+        ``allow`` gives the roots of process trees the caller keeps on purpose (their
+        descendants and the segments they map are allowed too)."""
+        table = processes()
+        mine = tree([self.me], table) - {self.me}
+        allowed = tree(allow(), table)
+        found = {}
+        for pid, p in table.items():
+            if (pid, p["start"]) in self.before or pid in allowed or pid == self.me:
+                continue
+            if p["uid"] != self.uid or p["sid"] != self.sid:
+                continue  # another user's, or another session's (a shell beside this run)
+            if pid in mine or p["ppid"] == 1:  # ours, or orphaned to init
+                found[pid] = cmdline(pid)
+        shm = set(os.listdir(SHM)) - self.shm_before - (mapped_by(allowed) if allowed else set())
+        return {"processes": found, "shm": sorted(shm)}
+
+    def wait_clean(self, settle_s: float = 15, allow: Callable[[], Iterable[int]] = lambda: ()) -> dict[str, object]:
+        """Poll ``new()`` until it is empty or ``settle_s`` passed; returns the last (empty
+        when clean)."""
+        deadline = time.monotonic() + settle_s
+        while True:
+            left = self.new(allow)
+            if not left["processes"] and not left["shm"]:
+                return {}
+            if time.monotonic() > deadline:
+                return left
+            time.sleep(0.5)
+
+    def kill_new(self, allow: Callable[[], Iterable[int]] = lambda: ()) -> None:
+        """Last resort after a failure: SIGKILL what is new, unlink new segments no process maps."""
+        left = self.new(allow)
+        for pid in left["processes"]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.5)
+        in_use = mapped_by(set(processes()))
+        for name in left["shm"]:
+            if name not in in_use:
+                try:
+                    (SHM / name).unlink()
+                except OSError:
+                    pass
