@@ -112,3 +112,29 @@ def test_another_user_is_refused(open_dir):
         await asyncio.gather(server, return_exceptions=True)
 
     asyncio.run(main())
+
+
+def test_ray_env_gives_this_user_the_clusters_address_and_token(open_dir, monkeypatch, capsys):
+    """``ctl ray-env``: the export lines a Ray client (the ray CLI, ``chaos.inject``) needs to
+    join the daemon's cluster, its private one included (whose token exists only in the
+    daemon's environment); only what is set."""
+    from supervisor.control import main as ctl
+
+    path = str(open_dir / "control.sock")
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "a b'c")  # quoted for a shell
+    monkeypatch.delenv("RUNTIME_DIRECTORY", raising=False)
+
+    async def main() -> None:
+        server = await started(path)
+        assert await asyncio.to_thread(ctl, ["--socket", path, "ray-env"]) == 0
+        monkeypatch.delenv("RAY_AUTH_TOKEN")
+        reply = await asyncio.to_thread(request, path, "ray-env", None, 5)
+        assert reply == {"ok": True, "env": {"RAY_ADDRESS": "127.0.0.1:6379", "RAY_AUTH_MODE": "token"}}
+        server.cancel()
+        await asyncio.gather(server, return_exceptions=True)
+
+    asyncio.run(main())
+    assert [line for line in capsys.readouterr().out.splitlines() if line.startswith("export")] == [
+        "export RAY_ADDRESS=127.0.0.1:6379", "export RAY_AUTH_MODE=token", "export RAY_AUTH_TOKEN='a b'\"'\"'c'"]
