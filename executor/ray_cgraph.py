@@ -41,6 +41,7 @@ from vllm.platforms import current_platform
 from vllm.v1.executor.ray_utils import RayWorkerWrapper, build_actor_name
 
 from executor.reporting import CAUSE_MAX_CHARS, DeathReporter
+from executor import testhooks
 
 logger = logging.getLogger("vllm.supervisor.executor")
 
@@ -108,6 +109,7 @@ class SupervisedCompiledGraphExecutor(DeathReporter, _cg.RayDistributedExecutor)
 
     def _init_executor(self) -> None:
         self._wire()
+        self._hooks = testhooks.enabled()  # False in production
         self._instance_id = self.vllm_config.instance_id
         cpu = current_platform.is_cpu()
         if cpu:
@@ -139,7 +141,14 @@ class SupervisedCompiledGraphExecutor(DeathReporter, _cg.RayDistributedExecutor)
             logger.info("generation %d: compiled graph built in %.2f s", self._generation, time.monotonic() - started)
         return result
 
+    _hooks = False
+    _last_step_serving = False  # test hook: the last step carried a client request (not only canaries)
+
     def _execute_dag(self, *args: Any, **kwargs: Any) -> Any:
+        if self._hooks:
+            serving = testhooks.step_serves_clients(args[0] if args else kwargs.get("scheduler_output"))
+            if serving is not None:
+                self._last_step_serving = serving
         try:
             out = super()._execute_dag(*args, **kwargs)
         except Exception as exc:
@@ -165,6 +174,13 @@ class SupervisedCompiledGraphExecutor(DeathReporter, _cg.RayDistributedExecutor)
         actor the error names) before the engine core dies of it."""
         if self._reported:
             return
+        if self._hooks and not self._last_step_serving:
+            # Test hook: a canary's step found the death; the poller reports it first.
+            deadline = time.monotonic() + testhooks.IDLE_STEP_REPORT_HOLD_S
+            while not self._reported and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if self._reported:
+                return
         dead = self._dead_workers()
         watched = getattr(self, "_watched", {})
         if not dead and getattr(exc, "actor_id", None) in watched:
@@ -175,7 +191,12 @@ class SupervisedCompiledGraphExecutor(DeathReporter, _cg.RayDistributedExecutor)
 
     def _watch(self) -> None:
         while not self._stop_watch.wait(WATCH_S):
+            if self._hooks and self._last_step_serving:
+                continue  # test hook: while serving, only a failed step (or its future) reports
             if dead := self._dead_workers():
+                if not self._reported:
+                    logger.warning("generation %d: the GCS actor-table poller found worker rank(s) %s dead",
+                                   self._generation, [d[0] for d in dead])
                 self._record_death(dead)
                 return
 
@@ -200,6 +221,7 @@ class SupervisedCompiledGraphExecutor(DeathReporter, _cg.RayDistributedExecutor)
             # The compiled graph's ActorDiedError often kills the engine core (which shuts this
             # executor down) before the next poll: look once more while the workers are as
             # the failure left them (the parent's shutdown kills the rest).
-            if not self._reported and (dead := self._dead_workers()):
+            held = self._hooks and self._last_step_serving  # test hook: the step's report only
+            if not self._reported and not held and (dead := self._dead_workers()):
                 self._record_death(dead)
         super().shutdown()

@@ -327,7 +327,7 @@ class SupervisedEngineClient(EngineClient):
         from vllm import SamplingParams
 
         async for _ in self._pump(gen, {"type": "token", "prompt_token_ids": [0]}, SamplingParams(max_tokens=1, temperature=0),
-                                  f"probe-{uuid.uuid4().hex[:8]}"):
+                                  f"{testhooks.CANARY_PREFIX}{uuid.uuid4().hex[:8]}"):
             pass
 
     async def _admit(self, parked: bool, not_gen: Generation | None = None) -> Generation:

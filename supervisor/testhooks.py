@@ -6,20 +6,18 @@ Hold at a mid-character token: a request that carries
 ``N`` tokens reached the client, right after the first token whose bytes end inside a UTF-8
 character, and waits there until its engine fails (``/readyz?verbose`` counts the streams
 held as ``test_held``). A test kills a worker when every request is held, so every seam
-falls inside a multi-byte character. Only for byte-level BPE tokenizers (the demo model's)."""
+falls inside a multi-byte character. Only for byte-level BPE tokenizers (the demo model's).
+
+The executor's own hooks (which death report comes first) live in ``executor.testhooks``."""
 
 from __future__ import annotations
 
-import os
 from functools import lru_cache
 from typing import Any
 
-ENV = "VLLM_SUPERVISOR_TEST_HOOKS"
+from executor.testhooks import CANARY_PREFIX, ENV, enabled  # noqa: F401 - one switch for both layers
+
 HOLD_MIDCHAR = "supervisor_test_hold_midchar"
-
-
-def enabled() -> bool:
-    return os.environ.get(ENV, "") == "1"
 
 
 def hold_midchar_after(params: Any) -> int | None:
