@@ -100,7 +100,12 @@ def test_head_lost_and_back_streams_continue_exactly(tmp_path, own_ray_head):
               f"recovery phases {rec['phases_s']}")
         # A new request on the new cluster, and the daemon's record on it is its own only.
         again, _ = batch(daemon)
-        assert compare(again, ref)["mismatched"] == 0
+        summary = compare(again, ref)
+        # every new request served, each with exactly the fault-free text (not just none mismatched)
+        assert len(again) == STREAMS and summary["ok"] == STREAMS and summary["failed"] == 0, (
+            summary, [(r.status, r.error[:200]) for r in again if r.outcome != "ok"])
+        assert summary["mismatched"] == 0 and all(r.text == ref[r.key].text for r in again), summary
+        assert all(r.usage_completion_tokens == MAX_TOKENS for r in again)
         daemon.wait_standby()  # prepared again on the new cluster
         code, _ = daemon.stop(signal.SIGTERM)
         assert code == 0, daemon.tail()

@@ -8,6 +8,7 @@ daemon must be READY on a new generation, and nothing of the old one may remain.
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import threading
 import time
@@ -123,31 +124,45 @@ def test_tp2_ray_kill_rank1_mid_stream(tp2, ray_head):
 
 
 def test_tp2_second_kill_while_recovering(tp2, ray_head):
+    """A second kill, of the next generation's adopted worker while that generation is being
+    built: the daemon records it (that build fails and counts as a restart) and builds another."""
     daemon, ref = tp2
-    before = daemon.status()["generation"]
+    s0 = daemon.wait_standby()  # so that the next generation adopts both ranks
+    before, restarts0 = s0["generation"], s0["restarts"]
+    log_start = len(daemon.log_path.read_text(errors="replace").splitlines())
+    second: dict = {}
 
     def double_fault():
         first = inject.kill_worker(ray_head.address, rank=1)
+        up = re.compile(rf"generation {before + 1}: \d+ Ray worker actor\(s\) up: .*adopted standby ranks: \[0, 1\]")
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            # generation before+1 is being built (its workers adopted from the warm standby,
-            # which carries its names already): kill one of them mid-build
-            s = daemon.status()
-            if s["state"] == "recovering" and s["standby"]["state"] in ("adopting", "off"):
-                time.sleep(1.0)
-                inject.kill_worker(ray_head.address, rank=0, match=f"-g{before + 1}_")
+            # generation before+1 is being built, on the warm standby's workers (its executor
+            # adopted both and logged it): kill one of them mid-build
+            if any(up.search(line) for line in daemon.log_path.read_text(errors="replace").splitlines()[log_start:]):
+                second.update(inject.kill_worker(ray_head.address, rank=0, match=f"-g{before + 1}_"))
                 return first
             time.sleep(0.05)
-        raise AssertionError("the next generation's build never started")
+        raise AssertionError(f"generation {before + 1}'s workers were never adopted:\n{daemon.tail()}")
 
     records, _ = asyncio.run(_batch(daemon, 6, double_fault))
     assert_all_exact(records, ref)
     s = assert_clean_generation(daemon, ray_head, before)
-    # the second kill landed in the build (a failed build or a worker death of before+1),
-    # or — if its actor was not adopted yet — the build created that worker cold
-    new = s["recoveries"][-2:]
-    print(f"\ndouble fault: generation {before} -> {s['generation']}, last recoveries "
-          f"{[(r['reason'], r.get('standby')) for r in new]}, restarts {s['restarts']}")
+    assert second["killed"].endswith(f"-g{before + 1}_TP0"), second
+    # the second kill counted: generation before+1's build failed (the executor's report doomed
+    # it, or the build raised), recorded as a build failure of that generation and a restart
+    failed = [line for line in daemon.log_lines()
+              if line.get("event") in ("engine failed while starting", "engine build failed")
+              and line.get("failed_generation") == before + 1]
+    grew = {k: v - restarts0.get(k, 0) for k, v in s["restarts"].items() if v != restarts0.get(k, 0)}
+    assert grew.get("worker_death", 0) == 1 and grew.get("build_failed", 0) >= 1, (
+        f"restarts {restarts0} -> {s['restarts']}: the second kill was not counted; failure lines {failed}")
+    assert failed, f"no failure of generation {before + 1} recorded:\n{daemon.tail()}"
+    assert s["generation"] >= before + 2, s
+    rec = next(r for r in reversed(s["recoveries"]) if r["from_generation"] == before)
+    assert rec["ok"] and rec["reason"] == "worker_death" and rec["to_generation"] == s["generation"], rec
+    print(f"\ndouble fault: generation {before} -> {s['generation']}, restarts {restarts0} -> {s['restarts']}, "
+          f"failures of {before + 1}: {[line['event'] for line in failed]}")
 
 
 def one_fault(tp2, ray_head, fault) -> tuple[dict, dict]:

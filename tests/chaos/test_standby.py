@@ -26,6 +26,15 @@ def tp1(tmp_path_factory, ray_head):
         yield d, ref
 
 
+def adoptions_total(daemon, result: str) -> float:
+    """``vllm_supervisor_standby_adoptions_total{result=...}`` (the series exists from start-up)."""
+    metrics = httpx.get(daemon.base_url + "/metrics/supervisor").text
+    series = f'vllm_supervisor_standby_adoptions_total{{result="{result}"}} '
+    values = [float(line[len(series):]) for line in metrics.splitlines() if line.startswith(series)]
+    assert len(values) == 1, [line for line in metrics.splitlines() if "adoptions_total" in line]
+    return values[0]
+
+
 def exact(records, ref) -> None:
     summary = compare(records, ref)
     assert summary["failed"] == 0, [(r.status, r.error) for r in records if r.outcome != "ok"]
@@ -42,12 +51,20 @@ def test_kill_is_recovered_in_the_standby_process(tp1, ray_head):
     assert len(standby_pids) == 1 and all(standby_pids)
     serving_pids = [w["pid"] for w in daemon.full_status()["workers"]]
     assert set(serving_pids).isdisjoint(standby_pids)
+    adopted_before = adoptions_total(daemon, "adopted")
+    cold_before = adoptions_total(daemon, "cold")
 
-    records, _ = asyncio.run(run_with_fault(daemon.base_url, 4, MAX_TOKENS, lambda: inject.kill_worker(ray_head.address, rank=0)))
+    records, info = asyncio.run(run_with_fault(daemon.base_url, 4, MAX_TOKENS, lambda: inject.kill_worker(ray_head.address, rank=0)))
     after = daemon.wait_generation(gen + 1)
     exact(records, ref)
+    # this recovery's build adopted the standby: counted once, as adopted, not as cold
+    assert (adoptions_total(daemon, "adopted"), adoptions_total(daemon, "cold")) == (adopted_before + 1, cold_before), (
+        f"adoptions_total adopted {adopted_before} -> {adoptions_total(daemon, 'adopted')}, "
+        f"cold {cold_before} -> {adoptions_total(daemon, 'cold')}; recoveries {after['recoveries'][-1:]}")
     rec = after["recoveries"][-1]
-    assert rec["reason"] == "worker_death" and rec["standby"] == {"result": "adopted", "adopted_ranks": [0]}, rec
+    assert rec["ok"] and rec["from_generation"] == gen and rec["reason"] == "worker_death" and rec["cause"] == "killed", rec
+    assert "rank(s) [0]" in rec["detail"] and info["killed"] in rec["detail"], rec
+    assert rec["standby"] == {"result": "adopted", "adopted_ranks": [0]}, rec
     # the new generation's worker is the standby's process, started before the fault
     assert [w["pid"] for w in daemon.full_status()["workers"]] == standby_pids
     assert after["standby"]["adoptions"]["adopted"] >= 1
@@ -56,7 +73,6 @@ def test_kill_is_recovered_in_the_standby_process(tp1, ray_head):
     assert set(w["pid"] for w in s2["standby"]["workers"]).isdisjoint(standby_pids)
     metrics = httpx.get(daemon.base_url + "/metrics/supervisor").text
     assert 'vllm_supervisor_standby_state{state="ready"} 1.0' in metrics
-    assert 'vllm_supervisor_standby_adoptions_total{result="adopted"}' in metrics
     print(f"\nengine_start with the standby: {rec['phases_s']['engine_start']:.1f} s, phases {rec['phases_s']}")
 
 
@@ -91,13 +107,20 @@ def test_fork_server_death_is_an_engine_core_death_and_the_server_is_replaced(tp
     s = daemon.wait_standby()
     gen, server = s["generation"], s["standby"]["forkserver_pid"]
     assert server
+    from executor.reaper import descendants, process_table
+
+    forked = descendants(server)  # (pid, start time): found later even if orphaned to init
+    assert forked, "the fork server forked no engine core"
     records, _ = asyncio.run(run_with_fault(daemon.base_url, 4, MAX_TOKENS, lambda: os.kill(server, signal.SIGKILL) or {}))
     exact(records, ref)
     s = daemon.wait_generation(gen + 1)
     assert s["recoveries"][-1]["ok"]
     s = daemon.wait_standby(for_generation=s["generation"] + 1)
     assert s["standby"]["forkserver_pid"] not in (None, server)
-    # nothing the dead server forked is still running
+    # nothing the dead server forked is still running, wherever it was re-parented
+    table = process_table()
+    alive = {(pid, st) for pid, st in forked if table.get(pid, (0, None))[1] == st}
+    assert not alive, f"still running after the fork server died: {alive}"
     from chaos.inject import engine_core_pids
 
     assert len(engine_core_pids(daemon.proc.pid)) == 1
