@@ -50,6 +50,7 @@ class VllmServe:
 
     def start(self) -> "VllmServe":
         self.shm_before = shm_segments()
+        self.own_segments: set[str] = set()  # the /dev/shm segments its own processes were seen to map
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT,
                                      start_new_session=True)
@@ -62,13 +63,24 @@ class VllmServe:
                 raise RuntimeError(f"vllm serve exited with {self.proc.returncode}: see {self.log_path}")
             try:
                 if httpx.get(self.base_url + "/v1/models", timeout=2).status_code == 200:
+                    self.remember_segments()
                     return time.monotonic() - started
             except httpx.HTTPError:
                 pass
             time.sleep(0.3)
         raise RuntimeError(f"vllm serve not ready in {timeout_s} s")
 
+    def remember_segments(self) -> None:
+        """Record the new ``/dev/shm`` segments that this server's own processes map now."""
+        from executor.reaper import descendants
+        from executor.shm import mapped_segments
+
+        if self.proc is not None and self.proc.poll() is None:
+            pids = {self.proc.pid} | {pid for pid, _ in descendants(self.proc.pid)}
+            self.own_segments |= mapped_segments(pids=pids) - self.shm_before
+
     def stop(self) -> int:
+        self.remember_segments()
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
@@ -77,13 +89,17 @@ class VllmServe:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
         # vllm serve leaves a shared-memory segment behind when stopped or when its worker dies
-        # (its resource tracker warns "leaked shared_memory"): remove what it made and nobody maps.
-        sweep(shm_segments() - self.shm_before)
+        # (its resource tracker warns "leaked shared_memory"): remove what it mapped and nobody maps
+        # now. Only its own: a daemon running beside it keeps its leftovers for its own leak check.
+        sweep(self.own_segments)
         return self.proc.returncode
 
 
     def request(self, method: str, path: str, **kw) -> httpx.Response:
-        return httpx.request(method, self.base_url + path, timeout=kw.pop("timeout", 120), **kw)
+        try:
+            return httpx.request(method, self.base_url + path, timeout=kw.pop("timeout", 120), **kw)
+        finally:
+            self.remember_segments()
 
 
 @contextlib.contextmanager

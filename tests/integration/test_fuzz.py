@@ -11,8 +11,9 @@
   UTF-8, empty and oversized bodies, unknown models, prompts longer than the context, a
   client that sends half a body and vanishes, one that sends it slowly: each gets a 4xx
   with a message.
-* Afterwards the daemon still serves the fault-free reference text, and its log holds no
-  unhandled exception.
+* Afterwards the daemon still serves the fault-free reference text, on the generation it
+  started with (no recovery, no restart: a hostile request never costs an engine), and its
+  log holds no unhandled exception (no traceback, no error-level line naming an exception).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import socket
 import time
 from pathlib import Path
@@ -43,6 +45,7 @@ def daemon(tmp_path_factory):
     with Daemon(tmp_path_factory.mktemp("fuzz"), {"server": {"max_body_bytes": 65536}}).start() as d:
         d.wait_ready()
         ref = as_reference(asyncio.run(run_with_fault(d.base_url, STREAMS, TOKENS))[0])
+        d.before_hostile = d.status()  # the generation and restarts the hostile requests must not change
         yield d, ref
         code, _ = d.stop()
         assert code == 0, d.tail()
@@ -134,3 +137,31 @@ def test_a_client_that_vanishes_or_dawdles_costs_nothing(daemon):
     assert reply.startswith(b"HTTP/1.1 200"), reply[:300]
     assert d.status()["in_flight"] == 0
     still_serving_exactly(d, ref)
+
+
+UNHANDLED = re.compile(r"traceback \(most recent call last\)|exception in asgi application|unhandled exception"
+                       r"|task exception was never retrieved|exception in callback", re.IGNORECASE)
+ERROR_LEVEL = re.compile(r'"level": "(error|critical)"|\b(ERROR|CRITICAL)\b')
+
+
+def unhandled_exceptions(text: str) -> list[str]:
+    """The log's lines that show an exception nobody handled: a traceback, uvicorn's and
+    asyncio's reports, and any error-level line (ours in JSON, vLLM's and Ray's in text) that
+    names an exception."""
+    return [line[:300] for line in text.splitlines()
+            if UNHANDLED.search(line) or (ERROR_LEVEL.search(line) and "exception" in line.lower())]
+
+
+def test_no_recovery_and_no_unhandled_exception_after_the_hostile_requests(daemon):
+    """Runs after every hostile request above: none of them cost a recovery or a restart (the
+    same generation serves, no restart counted, none recorded), and the daemon's log (the
+    daemon's own lines, vLLM's and Ray's) holds no unhandled exception."""
+    d, ref = daemon
+    before, now = d.before_hostile, d.status()
+    assert now["restarts"] == before["restarts"] == {}, f"a hostile request cost a restart: {now['restarts']}"
+    assert now["recoveries"] == before["recoveries"] == [], f"a hostile request cost a recovery: {now['recoveries']}"
+    assert (now["state"], now["generation"]) == ("ready", before["generation"]), (now["state"], now["reason"], now["generation"])
+    assert [r["generation"] for r in now["replicas"]] == [r["generation"] for r in before["replicas"]], now["replicas"]
+    still_serving_exactly(d, ref)
+    bad = unhandled_exceptions(d.log_path.read_text(errors="replace"))
+    assert not bad, "unhandled exception in the daemon's log:\n" + "\n".join(bad[:20])

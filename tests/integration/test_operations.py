@@ -49,8 +49,50 @@ def daemon(tmp_path_factory, notify_socket):
     with Daemon(workdir, config, env={"NOTIFY_SOCKET": notify_socket[0]}).start() as d:
         d.notify = notify_socket[1]
         d.socket = str(workdir / "control.sock")
+        d.while_starting = answers_while_starting(d)
         d.wait_ready()
         yield d
+
+
+# Every endpoint but ours, before the first engine is up (vLLM's app does not exist yet).
+STARTING_REQUESTS = [
+    ("GET", "/health", None), ("GET", "/v1/models", None), ("GET", "/version", None), ("GET", "/ping", None),
+    ("GET", "/openapi.json", None), ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 2}),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+    ("POST", "/tokenize", {"prompt": "x"}), ("GET", "/no-such-endpoint", None),
+]
+
+
+def answers_while_starting(d: Daemon, timeout_s: float = 120) -> list[tuple[str, str, httpx.Response]]:
+    """The answers to ``STARTING_REQUESTS`` (and ``/readyz``) while the daemon is STARTING:
+    the first round that ``/livez`` brackets with state "starting" before and after (the
+    first engine build takes tens of seconds; the round, milliseconds)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            before = d.get("/livez", timeout=2).json()["state"]
+        except httpx.HTTPError:
+            time.sleep(0.1)
+            continue
+        if before != "starting":
+            break
+        got = [(m, p, d.request(m, p, json=b, headers=AUTH, timeout=10)) for m, p, b in STARTING_REQUESTS]
+        got.append(("GET", "/readyz", d.get("/readyz")))
+        if d.get("/livez").json()["state"] == "starting":
+            return got
+    return []
+
+
+def test_every_other_endpoint_is_503_with_retry_after_while_starting(daemon):
+    """Until the first engine is up every endpoint but ``/livez``, ``/readyz`` and ``/metrics``
+    answers 503 (``/readyz`` too, being not ready), each with ``Retry-After``."""
+    got = daemon.while_starting
+    assert got, "no round of requests while the daemon was STARTING (the HTTP server came up too late?)"
+    wrong = [(m, p, r.status_code, r.headers.get("retry-after"), r.text[:200]) for m, p, r in got
+             if r.status_code != 503 or not r.headers.get("retry-after", "").isdigit()]
+    assert not wrong, wrong
+    for m, p, r in got[:-1]:
+        assert r.json()["error"]["code"] == 503 and "starting" in r.json()["error"]["message"], (p, r.text)
 
 
 def ctl(daemon, *args: str) -> subprocess.CompletedProcess:
@@ -169,6 +211,51 @@ def test_real_prometheus_scrapes_the_daemon(daemon, tmp_path):
         prom.wait(30)
 
 
+# --- private sockets -------------------------------------------------------------------
+
+
+def _listening_unix_sockets(pid: int) -> list[str]:
+    """The paths of the named Unix sockets that ``pid`` listens on (``/proc/net/unix``)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[len("socket:["):-1])
+    paths = []
+    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+        cols = line.split()
+        if len(cols) >= 8 and cols[6] in inodes and int(cols[3], 16) & 0x10000 and cols[7].startswith("/"):
+            paths.append(cols[7])
+    return paths
+
+
+def test_fork_server_and_ray_agent_sockets_are_private(daemon):
+    """The engine-core fork server's and the Ray agent's Unix sockets (the daemon's own
+    processes, found by pid) are in 0700 directories of the daemon's user, and the agent's
+    manager refuses a client without its per-start authkey (HMAC challenge)."""
+    from multiprocessing import AuthenticationError
+    from multiprocessing.connection import Client
+
+    s = daemon.wait_standby("ready")  # the standby's fork server is up
+    fork_server, agent = s["standby"]["forkserver_pid"], s["ray"]["agent_pid"]
+    assert fork_server and agent, s
+    found = {}
+    for name, pid in (("fork server", fork_server), ("ray agent", agent)):
+        paths = [p for p in _listening_unix_sockets(pid) if "/pymp-" in p]
+        assert paths, (name, pid, _listening_unix_sockets(pid))
+        for path in paths:
+            folder = os.stat(os.path.dirname(path))
+            assert (oct(folder.st_mode & 0o777), folder.st_uid) == ("0o700", os.getuid()), (name, path)
+        found[name] = paths
+    for key in (os.urandom(32), b""):
+        for path in found["ray agent"]:
+            with pytest.raises(AuthenticationError):
+                Client(path, authkey=key).close()
+
+
 # --- control CLI -------------------------------------------------------------------------
 
 
@@ -202,6 +289,9 @@ def test_ctl_drain_then_resume(daemon):
     assert ctl(daemon, "drain").returncode == 0
     r = daemon.get("/readyz")
     assert r.status_code == 503 and r.json()["state"] == "draining"
+    assert r.headers.get("retry-after", "").isdigit(), r.headers
+    health = daemon.get("/health")  # no engine admits while draining (README: /health)
+    assert health.status_code == 503 and health.headers.get("retry-after", "").isdigit(), (health.status_code, health.headers)
     c = openai.OpenAI(base_url=daemon.base_url + "/v1", api_key=KEY, max_retries=0, timeout=60)
     result = {}
 
@@ -254,11 +344,37 @@ def test_ctl_restart_under_load_loses_nothing(daemon):
 
 
 def test_ctl_kill_worker_drill_recovers(daemon):
+    """… and ``/health`` (vLLM's) is 503, with ``Retry-After``, while the daemon recovers."""
+    import threading
+
     before = status(daemon)["generation"]
-    out = ctl(daemon, "kill-worker", "0")
-    assert out.returncode == 0, out.stderr
-    s = daemon.wait_generation(before + 1)
+    polls: list[tuple[str, int, str | None, str]] = []  # (state before, /health status, Retry-After, state after)
+    done = threading.Event()
+
+    def poll() -> None:
+        while not done.is_set():
+            try:
+                state = daemon.get("/livez", timeout=5).json()["state"]
+                r = daemon.get("/health", timeout=5)
+                polls.append((state, r.status_code, r.headers.get("retry-after"), daemon.get("/livez", timeout=5).json()["state"]))
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        out = ctl(daemon, "kill-worker", "0")
+        assert out.returncode == 0, out.stderr
+        s = daemon.wait_generation(before + 1)
+    finally:
+        done.set()
+        poller.join(30)
     assert s["restarts"].get("worker_death", 0) >= 1
+    recovering = [p for p in polls if p[0] == p[3] == "recovering"]
+    assert recovering, polls
+    assert all(code == 503 and (retry or "").isdigit() for _, code, retry, _ in recovering), recovering
+    assert daemon.get("/health").status_code == 200
 
 
 # --- reload ------------------------------------------------------------------------------

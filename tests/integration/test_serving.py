@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from chaos.harness import Daemon, demo_model_path
+from chaos.harness import BIN, Daemon, demo_model_path
 
 pytestmark = pytest.mark.integration
 
@@ -51,7 +52,7 @@ def test_default_data_dir_is_under_home(daemon, home):
 def test_the_private_cluster_token_is_never_written_to_disk(daemon, home):
     """Ray would write a 0644 ``~/.ray/auth_token`` for a cluster whose ports listen on every
     interface; the daemon gives its private cluster a token in its environment instead, and
-    a client with another token is refused."""
+    a client with another token is refused; the daemon's user gets it with ``ctl ray-env``."""
     assert not (home / ".ray").exists(), sorted(p.name for p in (home / ".ray").iterdir())
     address = next(line["address"] for line in daemon.log_lines() if line.get("event") == "ray connected")
     probe = ("import ray, sys\n"
@@ -63,12 +64,18 @@ def test_the_private_cluster_token_is_never_written_to_disk(daemon, home):
 
     out = connect("0" * 64)
     assert out.returncode == 3 and "refused" in out.stdout, (out.stdout[-500:], out.stderr[-2000:])
-    # the control: the cluster's own token (in the environment the GCS was started with) connects
+    # the operator's way in (README, "Chaos tools"): `ctl ray-env` over the 0600 control socket
+    # gives the address, the mode and the cluster's own token (the one the GCS was started with)
+    ctl = subprocess.run([str(BIN / "vllm-supervisor"), "ctl", "--port", str(daemon.port), "ray-env"],
+                         capture_output=True, text=True, timeout=60)
+    exported = dict(shlex.split(line.removeprefix("export "))[0].split("=", 1) for line in ctl.stdout.splitlines())
     from executor.reaper import descendants
 
     gcs = [pid for pid, _ in descendants(daemon.proc.pid) if "gcs_server" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")]
     env = dict(e.split(b"=", 1) for e in Path(f"/proc/{gcs[0]}/environ").read_bytes().split(b"\0") if b"=" in e)
-    out = connect(env[b"RAY_AUTH_TOKEN"].decode())
+    assert exported == {"RAY_ADDRESS": address, "RAY_AUTH_MODE": "token",
+                        "RAY_AUTH_TOKEN": env[b"RAY_AUTH_TOKEN"].decode()}, (ctl.stdout, ctl.stderr)
+    out = connect(exported["RAY_AUTH_TOKEN"])
     assert out.returncode == 0 and "connected" in out.stdout, (out.stdout[-500:], out.stderr[-2000:])
 
 
@@ -178,10 +185,42 @@ FEATURE_REQUESTS = [
 ]
 
 
+def _streamed(path: str, r: httpx.Response):
+    """A streamed answer as a client reads it: per choice, the text it puts together and its
+    finish reason; the usage; the terminating ``[DONE]``."""
+    texts: dict[int, str] = {}
+    finish: dict[int, str | None] = {}
+    usage, done = None, False
+    for line in r.text.splitlines():
+        if not line.startswith("data: "):
+            continue
+        data = line[len("data: "):]
+        if data == "[DONE]":
+            done = True
+            continue
+        chunk = json.loads(data)
+        usage = chunk.get("usage") or usage
+        for c in chunk.get("choices") or []:
+            piece = c.get("text") if "text" in c else (c.get("delta") or {}).get("content")
+            texts[c["index"]] = texts.get(c["index"], "") + (piece or "")
+            finish[c["index"]] = c.get("finish_reason") or finish.get(c["index"])
+    return "stream", r.status_code, sorted(texts.items()), sorted(finish.items()), usage, done
+
+
 def essence(path: str, r: httpx.Response):
-    """What a client reads in an answer, without ids and timestamps."""
+    """What a client reads in an answer, without ids and timestamps: for an error, vLLM's
+    error body (its keys, type, code, param and message)."""
+    if r.headers.get("content-type", "").startswith("text/event-stream"):
+        return _streamed(path, r)
     if r.status_code >= 400 or not r.content:
-        return r.status_code
+        try:
+            body = r.json()
+        except ValueError:
+            return r.status_code, r.text
+        err = body.get("error") if isinstance(body, dict) else None
+        if not isinstance(err, dict):
+            return r.status_code, body
+        return r.status_code, sorted(err), err.get("type"), err.get("code"), err.get("param"), err.get("message")
     body = r.json()
     if path in ("/tokenize", "/detokenize", "/version"):
         return body
@@ -196,11 +235,9 @@ def test_what_vllm_serve_accepts_works(daemon):
     """Logprobs, echo, a list of prompts, n=2, tools (a named tool call: ``--tool-call-parser``
     passed through), the Responses API, /tokenize, /health, /version: all answered by vLLM's
     own front over the daemon."""
-    got = {(m, p, json.dumps(b)): daemon.request(m, p, json=b) for m, p, b in FEATURE_REQUESTS}
-    status = {k[1] + " " + k[2][:40]: r.status_code for k, r in got.items()}
-    assert [s for s in status.values()][-3:] == [400, 400, 400], status
-    assert all(s == 200 for s in list(status.values())[:-3]), status
-    r = list(got.values())
+    r = [daemon.request(m, p, json=b) for m, p, b in FEATURE_REQUESTS]
+    status = [(i, p, json.dumps(b)[:60], x.status_code) for i, ((_m, p, b), x) in enumerate(zip(FEATURE_REQUESTS, r))]
+    assert [s[-1] for s in status] == [200] * (len(r) - 3) + [400] * 3, status
     assert r[1].json()["version"] == __import__("vllm").__version__
     assert r[5].json()["prompt"] == "hi the"
     echo = r[6].json()["choices"][0]
@@ -213,19 +250,45 @@ def test_what_vllm_serve_accepts_works(daemon):
     assert r[12].json()["object"] == "response" and r[12].json()["usage"]["output_tokens"] == 8
 
 
+# Streamed, greedy: the text a client puts together and the finish reasons, as `vllm serve` streams them.
+STREAMED_REQUESTS = [
+    ("POST", "/v1/completions", {"prompt": "The quick", "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+                                 "stream": True, "stream_options": {"include_usage": True}}),
+    ("POST", "/v1/completions", {"prompt": ["a", "b"], "max_tokens": 5, "temperature": 0, "stream": True}),
+    ("POST", "/v1/chat/completions", {"messages": HI, "max_tokens": 8, "temperature": 0, "stream": True,
+                                      "stream_options": {"include_usage": True}}),
+    ("POST", "/v1/chat/completions", {"messages": HI, "max_tokens": 200, "temperature": 0, "stream": True}),
+]
+
+
+def drop_in_requests() -> list[tuple[str, str, dict]]:
+    """The requests ``test_same_answers_as_vllm_serve`` sends (``httpx.request`` keywords):
+    the valid and invalid JSON ones, every malformed body as raw bytes (not JSON, invalid
+    UTF-8, empty, …) and the streamed ones."""
+    as_json = [(m, p, {"json": b}) for m, p, b in FEATURE_REQUESTS[4:] + STREAMED_REQUESTS]
+    raw = [("POST", p, {"content": b, "headers": {"content-type": "application/json"}}) for p, b, _s, _f in MALFORMED]
+    return as_json + raw
+
+
 def test_same_answers_as_vllm_serve(daemon, tmp_path):
-    """A drop-in: the same requests (valid and invalid) against a plain ``vllm serve`` of the
-    same model and flags get the same status and, greedy, the same text, finish reasons,
-    logprobs, tool calls and usage."""
+    """A drop-in: the same requests (valid and invalid, bodies that are not JSON, streamed)
+    against a plain ``vllm serve`` of the same model and flags get the same status, the same
+    error body (type, code, param, message) and, greedy, the same text, finish reasons,
+    logprobs, tool calls and usage, streamed or not. The README states how many."""
     from bench.common import plain_vllm_serve
 
-    requests = FEATURE_REQUESTS[4:] + [("POST", p, json.loads(b)) for p, b, _s, _f in MALFORMED
-                                       if b.startswith(b'{"') or b.startswith(b"[")]
+    requests = drop_in_requests()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert f"sends the same {len(requests)} requests" in readme, len(requests)
     with plain_vllm_serve(tmp_path, "--enable-auto-tool-choice", "--tool-call-parser", "hermes") as ref:
-        theirs = [essence(p, ref.request(m, p, json=b)) for m, p, b in requests]
-    ours = [essence(p, daemon.request(m, p, json=b)) for m, p, b in requests]
-    diff = [(requests[i][1], json.dumps(requests[i][2])[:80], a, b) for i, (a, b) in enumerate(zip(ours, theirs)) if a != b]
+        theirs = [essence(p, ref.request(m, p, **kw)) for m, p, kw in requests]
+    ours = [essence(p, daemon.request(m, p, **kw)) for m, p, kw in requests]
+    diff = [(i, requests[i][1], str(requests[i][2])[:80], a, b) for i, (a, b) in enumerate(zip(ours, theirs)) if a != b]
     assert not diff, diff
+    streamed = [o for o in ours if isinstance(o, tuple) and o[0] == "stream"]
+    assert len(streamed) == len(STREAMED_REQUESTS) and all(o[1] == 200 and o[-1] for o in streamed), streamed
+    errors = [o for o in ours if isinstance(o, tuple) and isinstance(o[0], int) and o[0] >= 400]
+    assert len(errors) >= len(MALFORMED) and all(len(o) == 6 and o[-1] for o in errors), errors  # vLLM's error bodies
 
 
 BAD_FIELDS = [  # (field, value): vllm serve answers 400 to each; so must we, naming the field
