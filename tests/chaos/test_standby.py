@@ -109,8 +109,9 @@ def test_fork_server_death_is_an_engine_core_death_and_the_server_is_replaced(tp
     assert server
     from executor.reaper import descendants, process_table
 
-    forked = descendants(server)  # (pid, start time): found later even if orphaned to init
-    assert forked, "the fork server forked no engine core"
+    # (pid, start time) of what it forked (the serving engine core once a recovery adopted the
+    # standby; the module's earlier tests made one): found later even if orphaned to init
+    forked = descendants(server)
     records, _ = asyncio.run(run_with_fault(daemon.base_url, 4, MAX_TOKENS, lambda: os.kill(server, signal.SIGKILL) or {}))
     exact(records, ref)
     s = daemon.wait_generation(gen + 1)
