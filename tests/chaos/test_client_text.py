@@ -19,7 +19,7 @@ import time
 import pytest
 
 from chaos import inject
-from chaos.harness import Daemon
+from chaos.harness import OPERATOR_ENV, Daemon
 from chaos.load import as_reference, compare, run_with_fault, specs
 from chaos.harness import stale_actors
 
@@ -39,7 +39,7 @@ def daemon(tmp_path_factory, ray_head):
         "supervisor": {"max_restarts": 20, "probe_interval_s": 1.0, "restart_backoff_initial_s": 0.2,
                        "continuation_limit": 2},
     }
-    with Daemon(tmp_path_factory.mktemp("client-text"), config, env={"VLLM_SUPERVISOR_TEST_HOOKS": "1"},
+    with Daemon(tmp_path_factory.mktemp("client-text"), config, env={**OPERATOR_ENV, "VLLM_SUPERVISOR_TEST_HOOKS": "1"},
                 args=("--enable-auto-tool-choice", "--tool-call-parser", "hermes")).start() as d:
         d.wait_ready()
         inject.prepare(ray_head.address)  # so a fault lands mid-stream, not after a first vLLM import
