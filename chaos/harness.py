@@ -316,13 +316,14 @@ class Daemon:
         held_by_others = mapped_segments(pids=others) if others else set()
         return (shm_segments() - self.shm_before) - held_by_others
 
-    def kept_running(self) -> list[int]:
+    def kept_running(self, keep: Any = ()) -> list[int]:
         """The roots of what the test keeps running on purpose beside this daemon: the other
-        live daemons of this process and the Ray heads it started as an operator."""
+        live daemons of this process, the Ray heads it started as an operator, and ``keep``
+        (pids, or a callable giving them: a ``ray.cluster_utils`` cluster's node processes)."""
         return [pid for marker in (Daemon.live_markers - {self.marker}) | RayHead.live_markers
-                for pid in marked_pids(marker)]
+                for pid in marked_pids(marker)] + list(keep() if callable(keep) else keep)
 
-    def assert_nothing_left(self, settle_s: float = 15) -> None:
+    def assert_nothing_left(self, settle_s: float = 15, keep: Any = ()) -> None:
         """Nothing of ours remains: no process started since the daemon did (its descendants,
         orphans re-parented to init included, whatever their name) and no new ``/dev/shm``
         entry (whatever its name), less what the test keeps running on purpose
@@ -332,7 +333,7 @@ class Daemon:
         deadline = time.monotonic() + settle_s
         while True:
             pids = self.leftover_pids()
-            new = self.leaks.new(allow=self.kept_running)
+            new = self.leaks.new(allow=lambda: self.kept_running(keep))
             if not pids and not new["processes"] and not new["shm"]:
                 return
             if time.monotonic() > deadline:
