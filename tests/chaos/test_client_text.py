@@ -68,7 +68,7 @@ def fresh(requests, hold: int | None):
                         hold=hold) for r in requests]
 
 
-@pytest.mark.parametrize("round_", [1, 2])
+@pytest.mark.parametrize("round_", [1, pytest.param(2, marks=pytest.mark.extended)])
 def test_two_kills_per_round_client_text_equals_a_fault_free_run(daemon, ray_head, requests_and_reference, round_):
     requests, ref = requests_and_reference
     before = daemon.status()

@@ -23,7 +23,7 @@ from chaos.load import PROMPTS, as_reference, run_with_fault
 from supervisor import testhooks
 from tests.chaos.test_recovery import FAST_PROBES, assert_all_exact, assert_clean_generation, MAX_TOKENS, stop_leaves_nothing
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.extended]
 
 
 # (engine layout, the workers' name suffixes, the rank killed): with PP the engine core drives

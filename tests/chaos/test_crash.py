@@ -88,6 +88,7 @@ def test_sigkill_with_a_private_cluster_leaves_nothing_and_the_next_start_serves
         assert not second.run_record().exists()  # a clean stop leaves no record
 
 
+@pytest.mark.extended
 def test_sigkill_on_an_existing_cluster_leaves_no_ray_state_and_the_next_start_cleans(tmp_path, ray_head):
     (tmp_path / "first").mkdir()
     (tmp_path / "second").mkdir()

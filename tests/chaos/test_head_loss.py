@@ -23,7 +23,7 @@ from chaos import inject
 from chaos.harness import OPERATOR_ENV, Daemon, RayHead
 from chaos.load import as_reference, compare, run_with_fault
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.extended]
 
 MAX_TOKENS = 400
 STREAMS = 6

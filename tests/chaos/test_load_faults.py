@@ -20,7 +20,7 @@ import pytest
 
 from chaos.stress import EXPECTED_REASON, failures
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.extended]
 
 ROOT = Path(__file__).resolve().parents[2]
 

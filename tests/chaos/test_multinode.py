@@ -17,7 +17,7 @@ from chaos import inject
 from chaos.harness import OPERATOR_ENV, Daemon, as_operator
 from chaos.load import PROMPTS, as_reference, compare, run_with_fault
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.extended]
 
 MAX_TOKENS = 300
 

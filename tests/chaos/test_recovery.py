@@ -123,6 +123,7 @@ def test_tp2_ray_kill_rank1_mid_stream(tp2, ray_head):
     print(f"\nTP=2 kill rank 1: detection {detect_ms:.0f} ms, recovery phases {rec['phases_s']}")
 
 
+@pytest.mark.extended
 def test_tp2_second_kill_while_recovering(tp2, ray_head):
     """A second kill, of the next generation's adopted worker while that generation is being
     built: the daemon records it (that build fails and counts as a restart) and builds another."""
@@ -188,11 +189,13 @@ def test_tp2_sigkill_engine_core(tp2, ray_head):
     assert rec["reason"] == "engine_dead", rec  # the executor died with it: no worker report
 
 
+@pytest.mark.extended
 def test_tp2_sigkill_of_a_worker_process(tp2, ray_head):
     _, rec = one_fault(tp2, ray_head, lambda: inject.signal_worker(ray_head.address, signal.SIGKILL, rank=0))
     assert rec["reason"] == "worker_death" and "rank(s) [0]" in rec["detail"] and rec["cause"] == "exited", rec
 
 
+@pytest.mark.extended
 def test_tp2_kill_all_workers(tp2, ray_head):
     info, rec = one_fault(tp2, ray_head, lambda: inject.kill_all_workers(ray_head.address))
     assert len(info["killed"]) == 2
@@ -274,6 +277,7 @@ def test_tp1_stop_leaves_nothing(tp1, ray_head):
     stop_leaves_nothing(tp1[0], ray_head)
 
 
+@pytest.mark.extended
 def test_restart_intensity_exhausted_exits_3_and_leaves_nothing(tmp_path, ray_head):
     """Its own daemon with a budget of zero restarts: the first kill exhausts it, whatever
     ran before."""

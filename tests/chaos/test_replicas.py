@@ -175,7 +175,7 @@ def test_engine_state_calls_reach_every_replica(two):
     assert daemon.status()["recoveries"] == [] and daemon.status()["state"] == "ready"  # the pause was not a hang
 
 
-@pytest.mark.parametrize("index,via", [(0, "ray.kill"), (1, "ctl kill-worker")])
+@pytest.mark.parametrize("index,via", [(0, "ray.kill"), pytest.param(1, "ctl kill-worker", marks=pytest.mark.extended)])
 def test_kill_one_replica_streams_move_to_the_other(two, ray_head, index, via):
     daemon, ref, fresh_ref = two
     before = {r["replica"]: r["generation"] for r in daemon.wait_replicas_serving()}

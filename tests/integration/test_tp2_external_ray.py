@@ -11,7 +11,7 @@ import pytest
 from chaos import inject
 from chaos.harness import OPERATOR_ENV, Daemon
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.extended]
 
 
 @pytest.fixture(scope="module")

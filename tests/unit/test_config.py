@@ -149,12 +149,33 @@ def test_cli_invalid_config_exits_78_before_ray_or_vllm(tmp_path):
 # --- `vllm-supervisor serve`: vLLM's parser + the supervision group -------------------------
 
 
-def test_serve_help_shows_vllm_flags_and_the_supervision_group():
+# The `serve` command lines below each import vLLM's parser in a process of their own (about 13 s
+# of CPU each): they start together, once, and each test reads its own.
+SERVE_REFUSALS = [
+    (["--tensor-parallel-size", "two"], 2, "invalid int value"),  # vLLM's own argparse answer
+    (["--api-server-count", "2"], EXIT_CONFIG, "--api-server-count"),
+    (["--distributed-executor-backend", "uni"], EXIT_CONFIG, "supervised backends"),
+]
+SERVE_ARGVS = [("--help",), ("--help=all",), *(tuple(argv) for argv, _, _ in SERVE_REFUSALS)]
+
+
+@pytest.fixture(scope="module")
+def serve_runs() -> dict[tuple[str, ...], subprocess.CompletedProcess]:
+    procs = {argv: subprocess.Popen([sys.executable, "-m", "supervisor", "serve", *argv], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True) for argv in SERVE_ARGVS}
+    runs = {}
+    for argv, proc in procs.items():
+        out, err = proc.communicate(timeout=180)
+        runs[argv] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return runs
+
+
+def test_serve_help_shows_vllm_flags_and_the_supervision_group(serve_runs):
     """As ``vllm serve --help``: the config groups, ours among them; ``--help=all`` every flag."""
-    out = run_cli("serve", "--help")
+    out = serve_runs[("--help",)]
     assert out.returncode == 0, out.stderr
     assert "ParallelConfig" in out.stdout and "Frontend" in out.stdout and "supervision" in out.stdout
-    out = run_cli("serve", "--help=all")
+    out = serve_runs[("--help=all",)]
     for flag in ("--tensor-parallel-size", "--tool-call-parser", "--api-key", "--chat-template",  # vLLM's
                  "--max-restarts", "--drain-timeout-s", "--hang-timeout-s", "--ray-address",
                  "--ray-placement-strategy", "--control-socket", "--supervisor-config"):
@@ -171,13 +192,9 @@ def test_serve_bad_supervision_value_exits_78_before_vllm_is_imported():
     assert "IMPORTED []" in out.stdout
 
 
-@pytest.mark.parametrize("argv, code, message", [
-    (["--tensor-parallel-size", "two"], 2, "invalid int value"),  # vLLM's own argparse answer
-    (["--api-server-count", "2"], EXIT_CONFIG, "--api-server-count"),
-    (["--distributed-executor-backend", "uni"], EXIT_CONFIG, "supervised backends"),
-])
-def test_serve_flags_vllm_or_supervision_refuse(argv, code, message):
-    out = run_cli("serve", *argv)
+@pytest.mark.parametrize("argv, code, message", SERVE_REFUSALS)
+def test_serve_flags_vllm_or_supervision_refuse(serve_runs, argv, code, message):
+    out = serve_runs[tuple(argv)]
     assert out.returncode == code, out.stderr[-500:]
     assert message in out.stderr
 
