@@ -12,7 +12,7 @@ from chaos import inject
 from chaos.harness import Daemon
 from chaos.load import PROMPTS, as_reference, compare, run_with_fault
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.extended]
 
 
 def test_mp_worker_sigkill_mid_stream(tmp_path):
