@@ -105,11 +105,18 @@ class SupervisorSettings(_Section):
     # Continuation: a parked request is re-submitted at most this many times.
     continuation_limit: int = Field(3, ge=0)
     recovery_timeout_s: float = Field(600.0, gt=0, description="How long parked requests wait for a new engine.")
-    # Hang detection: a probe every probe_interval_s; a failure is a canary that takes longer than
-    # probe_timeout_s (idle), or no token for hang_timeout_s while requests are in flight.
+    # Hang detection: no engine step for hang_timeout_s while requests are in flight (the engine's
+    # own steps: a long chunked prefill is progress), checked twice a second; and a probe every
+    # probe_interval_s (the engine's error flag, the Ray cluster), which while the engine is idle
+    # sends a one-token canary every canary_interval_s; a canary slower than probe_timeout_s fails.
     probe_interval_s: float = Field(2.0, gt=0)
+    canary_interval_s: float = Field(
+        30.0, gt=0, description="while idle, a one-token canary this often: a hung idle engine is found before a request finds it")
     probe_timeout_s: float = Field(10.0, gt=0)
-    hang_timeout_s: float = Field(30.0, gt=0)
+    # 6 s: above vLLM's own worst case for a healthy step's wake-up (a reader that lost the ring's
+    # notification re-reads it after SHM_READER_RECHECK_INTERVAL_MS = 5 s)
+    hang_timeout_s: float = Field(
+        6.0, gt=0, description="a busy engine that takes no step for this long is hung (found within about 0.7 s more)")
     probe_failure_threshold: int = Field(2, ge=1)
     replicas: int = Field(
         1, ge=1, le=64, description="engine replicas, each with its own workers; a failed one's streams move to the others")

@@ -26,6 +26,7 @@ class EngineSpec:
     kv_cache_space_gib: int = 1  # CPU only (VLLM_CPU_KVCACHE_SPACE)
     standby_namespace: str | None = None  # adopt standby workers from this Ray namespace
     use_forkserver: bool = False  # fork the engine core from the preloaded fork server
+    step_clock: Any = None  # executor.steps.StepClock: stamped at every engine step
 
 
 def is_cpu_platform() -> bool:
@@ -75,6 +76,7 @@ def build_engine(spec: EngineSpec):
             enable_log_requests=engine_args.enable_log_requests,
             aggregate_engine_logging=engine_args.aggregate_engine_logging,
             disable_log_stats=engine_args.disable_log_stats,
+            stat_loggers=[spec.step_clock.factory()] if spec.step_clock is not None else None,
         )
 
 

@@ -41,7 +41,7 @@ from vllm.platforms import current_platform
 from vllm.v1.executor.ray_utils import RayWorkerWrapper, build_actor_name
 
 from executor.reporting import CAUSE_MAX_CHARS, DeathReporter
-from executor import testhooks
+from executor import canary, testhooks
 
 logger = logging.getLogger("vllm.supervisor.executor")
 
@@ -146,7 +146,7 @@ class SupervisedCompiledGraphExecutor(DeathReporter, _cg.RayDistributedExecutor)
 
     def _execute_dag(self, *args: Any, **kwargs: Any) -> Any:
         if self._hooks:
-            serving = testhooks.step_serves_clients(args[0] if args else kwargs.get("scheduler_output"))
+            serving = canary.step_serves_clients(args[0] if args else kwargs.get("scheduler_output"))
             if serving is not None:
                 self._last_step_serving = serving
         try:

@@ -15,6 +15,8 @@ contained here:
   which are stopped with ``ray.kill`` and never unlink them; ``shutdown()`` does.
 * Standby adoption: where vLLM creates a worker actor, a standby of the same name
   prepared by the supervisor (``executor.standby``) is adopted instead when there is one.
+* Idle cost: a worker does not spin on its ring after a step that held only the supervisor's
+  canary (``executor.canary``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import ray
 import vllm.v1.executor.ray_executor_v2 as _v2
 from vllm.platforms import current_platform
 
+from executor import canary
 from executor.reporting import CAUSE_MAX_CHARS, DeathReporter, Dead
 
 # Under vLLM's logger tree: in the engine-core process vLLM's logging config (handler, level,
@@ -39,7 +42,23 @@ logger = logging.getLogger("vllm.supervisor.executor")
 
 
 class SupervisedRayWorkerProc(_v2.RayWorkerProc):
-    """The worker actor. On CPU, Ray assigns no accelerator ids."""
+    """The worker actor. On CPU, Ray assigns no accelerator ids. After a step that held only
+    the supervisor's idle canary it waits for the next step without spinning
+    (``executor.canary``)."""
+
+    _canary_step = False
+
+    def _execute_worker_rpc(self, rpc_request: tuple) -> None:
+        super()._execute_worker_rpc(rpc_request)
+        method, args, kwargs = rpc_request[0], rpc_request[1], rpc_request[2]
+        if method != "execute_model":
+            return
+        serves = canary.step_serves_clients(args[0] if args else kwargs.get("scheduler_output"))
+        if serves is None and self._canary_step:
+            # the empty step that frees a finished canary ends its work: wait without spinning
+            # (not sooner: the empty step is written while the canary's last reply is read)
+            canary.go_idle(self.rpc_broadcast_mq)
+        self._canary_step = serves is False
 
     def get_node_and_physical_gpu_ids(self) -> tuple[str, list[int]]:
         if current_platform.is_cpu():

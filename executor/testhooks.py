@@ -12,19 +12,10 @@ a failed step waits up to ``IDLE_STEP_REPORT_HOLD_S`` for the poller's report fi
 from __future__ import annotations
 
 import os
-from typing import Any
 
 ENV = "VLLM_SUPERVISOR_TEST_HOOKS"
-CANARY_PREFIX = "probe-"  # the request ids of the supervisor's idle canary (supervisor.engine_client)
 IDLE_STEP_REPORT_HOLD_S = 5.0
 
 
 def enabled() -> bool:
     return os.environ.get(ENV, "") == "1"
-
-
-def step_serves_clients(scheduler_output: Any) -> bool | None:
-    """Whether a model step carries a request other than the idle probe's canary (None: a
-    step with no request)."""
-    ids = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
-    return any(not str(rid).startswith(CANARY_PREFIX) for rid in ids) if ids else None

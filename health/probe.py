@@ -1,10 +1,19 @@
 """The engine probe: finds an engine that is dead, hung, or whose Ray cluster is gone.
 
-Every ``probe_interval_s`` while READY, for each serving replica: the engine says it errored; the Ray cluster does not
-answer a Ray call (a hung GCS: its port still accepts, so ``health.clusterwatch`` sees nothing;
-reported as ``ClusterLost``); no token for ``hang_timeout_s`` while streams run (new arrivals cannot hide a
-hang); or, idle, a one-token canary slower than ``probe_timeout_s``.
-``probe_failure_threshold`` consecutive failures of a replica make one ``EngineFailed``.
+A hung busy engine: every ``STALL_CHECK_S`` while READY, a replica with streams running whose
+engine took no step for ``hang_timeout_s`` (since the oldest stream began, so new arrivals cannot
+hide a hang) and still none ``CONFIRM_S`` later is hung (one ``EngineFailed``, no threshold). The clock is the engine's own steps
+(``executor.steps``): each chunk of a chunked prefill is one, so a long prompt is progress
+although no token comes out for a long time; an engine that reports no steps (vLLM's stats off)
+is judged by its tokens.
+
+Every ``probe_interval_s`` while READY, for each serving replica: the engine says it errored; the
+Ray cluster does not answer a Ray call (a hung GCS: its port still accepts, so
+``health.clusterwatch`` sees nothing; reported as ``ClusterLost``); or, idle for
+``canary_interval_s``, a one-token canary slower than ``probe_timeout_s`` (an idle engine costs
+nothing between canaries: a canary step does not leave the workers spinning, ``executor.canary``;
+a request that finds a hung idle engine is a busy engine's case, found after ``hang_timeout_s``). ``probe_failure_threshold`` consecutive failures of a replica
+make one ``EngineFailed``.
 """
 
 from __future__ import annotations
@@ -23,6 +32,24 @@ if TYPE_CHECKING:
 
 log = logs.get_logger("vllm_supervisor.probe")
 
+STALL_CHECK_S = 0.5  # how often a busy engine's step clock is read (a float compare per replica)
+CONFIRM_S = 0.2  # a stall is read again this much later before it is a hang
+
+
+def stalled(gen: Any, hang_timeout_s: float, now: float | None = None) -> str | None:
+    """Why a busy generation is hung (its streams waited ``hang_timeout_s`` on no engine step),
+    or None: idle, or still moving."""
+    if not gen.pumps:
+        return None
+    now = time.monotonic() if now is None else now
+    oldest = min(start for start, _ in gen.pumps.values())
+    waited = now - max(gen.last_progress(), oldest)
+    if waited <= hang_timeout_s:
+        return None
+    clock = "engine step" if gen.steps is not None and gen.steps.ticking else "token"
+    return (f"no {clock} for {waited:.1f} s with {len(gen.pumps)} stream(s) running "
+            f"(last token {now - max(gen.last_output_monotonic, oldest):.1f} s ago)")
+
 
 class EngineProbe:
     def __init__(self, sup: "Supervisor"):
@@ -30,6 +57,7 @@ class EngineProbe:
         self.last_s: float | None = None
         self.last_ok_wall: float | None = None
         self._reach_check: asyncio.Future | None = None
+        self._probes: dict[int, asyncio.Task] = {}  # replica index -> its full probe in flight
 
     @property
     def failures(self) -> int:
@@ -41,14 +69,39 @@ class EngineProbe:
                 "last_success_unix": self.last_ok_wall}
 
     async def run(self) -> None:
+        try:
+            await self._loop()
+        finally:
+            for task in self._probes.values():
+                task.cancel()
+
+    async def _loop(self) -> None:
         sup = self.sup
+        next_probe = time.monotonic() + sup.cfg.probe_interval_s
         while True:
-            await asyncio.sleep(sup.cfg.probe_interval_s)
+            await asyncio.sleep(min(STALL_CHECK_S, sup.cfg.probe_interval_s))
+            probe_now = time.monotonic() >= next_probe
+            if probe_now:
+                next_probe = time.monotonic() + sup.cfg.probe_interval_s
             for rep in sup.replicas:
                 if sup.state is not State.READY or not rep.serving():
                     rep.probe_failures = 0  # a new generation starts with a clean slate
                     continue
-                await self.probe(rep)
+                gen = rep.current
+                if stalled(gen, sup.cfg.hang_timeout_s) is not None:
+                    # Once more after the loop ran a while: a daemon loop that was itself held up
+                    # has step reports queued for it, which must be read before anything is hung.
+                    await asyncio.sleep(CONFIRM_S)
+                    problem = stalled(gen, sup.cfg.hang_timeout_s)
+                    if problem is not None and not gen.failed and gen is rep.current and sup.state is State.READY:
+                        rep.probe_failures = 0  # the wait is itself the evidence: no threshold
+                        log.warning("probe failed", problem=problem, replica=rep.index)
+                        sup.post(EngineFailed(gen.number, "hang", problem, kill_workers=True))
+                    continue
+                if probe_now and (rep.index not in self._probes or self._probes[rep.index].done()):
+                    # the replicas' probes run side by side, and beside the stall checks: a hung
+                    # replica's canary delays nothing
+                    self._probes[rep.index] = asyncio.ensure_future(self.probe(rep))
 
     async def probe(self, rep: Any) -> None:
         sup, gen = self.sup, rep.current
@@ -86,14 +139,9 @@ class EngineProbe:
                 reachable = False
             if not reachable:
                 return "ray cluster unreachable"
-        now = time.monotonic()
-        last_output = gen.last_output_monotonic
-        if gen.pumps:
-            stalled = now - max(last_output, min(start for start, _ in gen.pumps.values()))
-            if stalled > cfg.hang_timeout_s:
-                return f"no token for {stalled:.1f} s with {len(gen.pumps)} stream(s) running"
+        if gen.pumps:  # busy: judged by its step clock (``stalled``, in ``run``)
             return None
-        if now - last_output < cfg.probe_interval_s:
+        if time.monotonic() - gen.last_progress() < cfg.canary_interval_s:
             return None
         started = time.monotonic()
         try:

@@ -131,10 +131,12 @@ class EngineBuilder:
         namespace."""
         from executor.engine import EngineSpec, build_engine
         from executor.shm import vllm_segments
+        from executor.steps import StepClock
 
         instance_id = self.instance_id(number)
         standby = standby or {}
         epoch = self.config_epoch
+        steps = StepClock()
         with self._building:
             shm_before = self._shm_before[number] = self._shm_at_build_start = vllm_segments()
             started = time.monotonic()
@@ -147,13 +149,14 @@ class EngineBuilder:
                     event_endpoint=self.event_endpoint, placement_group=self.placement_groups.get(replica),
                     kv_cache_space_gib=self.settings.engine.kv_cache_space_gib,
                     standby_namespace=standby.get("namespace"), use_forkserver=bool(standby.get("forkserver")),
+                    step_clock=steps,
                 ))
                 self._shm_owned[number] = vllm_segments() - shm_before
             finally:
                 self._shm_at_build_start = None
         build_s = time.monotonic() - started
         log.info("engine up", engine_generation=number, replica=replica, build_s=round(build_s, 2))
-        return Generation(number, instance_id, engine, shm_before, build_s, replica=replica, epoch=epoch)
+        return Generation(number, instance_id, engine, shm_before, build_s, replica=replica, epoch=epoch, steps=steps)
 
     # --- the warm standby (supervisor.standby) ----------------------------------------------
 

@@ -26,6 +26,7 @@ from vllm.engine.protocol import EngineClient
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.exceptions import EngineDeadError
 
+from executor.canary import CANARY_PREFIX
 from supervisor import aio, logs, testhooks
 from supervisor.continuation import NotContinuable, SeamText, continuation_params, why_not_continuable
 from supervisor.generation import EngineUnavailable, Generation, Interrupted, RequestFailed, is_engine_death
@@ -327,7 +328,7 @@ class SupervisedEngineClient(EngineClient):
         from vllm import SamplingParams
 
         async for _ in self._pump(gen, {"type": "token", "prompt_token_ids": [0]}, SamplingParams(max_tokens=1, temperature=0),
-                                  f"{testhooks.CANARY_PREFIX}{uuid.uuid4().hex[:8]}"):
+                                  f"{CANARY_PREFIX}{uuid.uuid4().hex[:8]}"):
             pass
 
     async def _admit(self, parked: bool, not_gen: Generation | None = None) -> Generation:

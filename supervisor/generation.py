@@ -49,7 +49,14 @@ class Generation:
     standby: dict[str, Any] | None = None  # what its build adopted (supervisor.standby)
     replica: int = 0  # the replica it serves (supervisor.replica)
     epoch: int = 0  # the engine arguments it was built with (EngineBuilder.config_epoch: +1 per reload that changed them)
-    last_output_monotonic: float = field(default_factory=time.monotonic)  # its last token (the probe's hang check)
+    last_output_monotonic: float = field(default_factory=time.monotonic)  # its last token
+    steps: Any = None  # executor.steps.StepClock: its last engine step (the probe's hang check)
+
+    def last_progress(self) -> float:
+        """When the engine last moved (``time.monotonic()``): its last step, or its last token
+        when it reports no steps (vLLM's stats off)."""
+        stepped = self.steps.last_monotonic if self.steps is not None and self.steps.ticking else 0.0
+        return max(self.last_output_monotonic, stepped)
 
     async def reap_lingering(self, timeout_s: float = 2.0) -> None:
         """After shutdown: a second cancel ends an abort that the dead engine never answers

@@ -15,7 +15,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any
 
-from executor.testhooks import CANARY_PREFIX, ENV, enabled  # noqa: F401 - one switch for both layers
+from executor.testhooks import ENV, enabled  # noqa: F401 - one switch for both layers
 
 HOLD_MIDCHAR = "supervisor_test_hold_midchar"
 
