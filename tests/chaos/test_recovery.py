@@ -278,9 +278,12 @@ def test_tp1_stop_leaves_nothing(tp1, ray_head):
 
 
 @pytest.mark.extended
-def test_restart_intensity_exhausted_exits_3_and_leaves_nothing(tmp_path, ray_head):
-    """Its own daemon with a budget of zero restarts: the first kill exhausts it, whatever
-    ran before."""
+def test_restart_intensity_exhausted_exits_3_and_leaves_nothing(tmp_path, own_ray_head):
+    """Its own daemon with a budget of zero restarts, on a head of its own: the first kill
+    exhausts it, whatever ran before (in ``make extended`` the TP=2 daemon still holds the
+    module's head: its stop test is in the default tier)."""
+    ray_head = own_ray_head
+    inject.disconnect()  # the injector joins this head, not the module's
     with start_daemon(tmp_path, ray_head, tp=1, max_restarts=0) as daemon:
         daemon.wait_ready()
         inject.prepare(ray_head.address)
