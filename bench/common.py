@@ -144,14 +144,16 @@ def bench_serve(base_url: str, result_dir: Path, name: str, num_prompts: int, ra
     return json.loads((result_dir / f"{name}.json").read_text())
 
 
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) ``pid`` has used, from ``/proc``."""
+    with open(f"/proc/{pid}/stat", "rb") as fh:
+        fields = fh.read().rsplit(b")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def process_usage(pids: dict[str, int], window_s: float) -> dict[str, dict[str, float]]:
     """Each process's CPU (user + system, % of a core) over the next ``window_s`` and its RSS
     (MiB) at the end, from ``/proc`` (same host only)."""
-    def cpu_s(pid: int) -> float:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            fields = fh.read().rsplit(b")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
     def rss_mib(pid: int) -> float:
         with open(f"/proc/{pid}/status") as fh:
             return next(int(line.split()[1]) for line in fh if line.startswith("VmRSS")) / 1024

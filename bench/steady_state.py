@@ -19,7 +19,6 @@ executor, measured in the same run.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import tempfile
 import time
@@ -28,10 +27,9 @@ from typing import Any
 
 import httpx
 
+from bench import common
 from bench.common import MODEL_NAME, VllmServe, base_parser
 from chaos.harness import Daemon, RayHead
-
-CLK = os.sysconf("SC_CLK_TCK")
 
 
 def tree(roots: list[int] | int, marker: str | None = None) -> list[int]:
@@ -45,10 +43,9 @@ def tree(roots: list[int] | int, marker: str | None = None) -> list[int]:
 
 
 def cpu_s(pid: int) -> float | None:
+    """``bench.common.cpu_s``, or None for a process gone meanwhile."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            fields = fh.read().rsplit(b")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / CLK
+        return common.cpu_s(pid)
     except (OSError, IndexError, ValueError):
         return None
 
