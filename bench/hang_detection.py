@@ -8,9 +8,10 @@ Then, in one run:
 1. a prompt of ``--prompt-tokens`` tokens, alone: its prefill takes many steps and no token for
    longer than ``hang_timeout_s`` (6 s by default). Its time to first token is measured and no
    recovery may follow (the step clock sees the chunks);
-2. the same with ``--disable-log-stats`` on a second daemon (the engine then reports no steps and
-   the probe falls back to tokens): the prefill is taken for a hang (what tokens as the clock
-   would do by default);
+2. the same on a second daemon built without the step clock (the test hook
+   ``VLLM_SUPERVISOR_TEST_TOKEN_CLOCK``: tokens are the probe's clock, as before): the prefill
+   is taken for a hang, and the client goes at the first recovery. (``--disable-log-stats``
+   is no such control: vLLM turns its stats back on for the daemon's registered logger.)
 3. on the first daemon, ``--streams`` decoding streams and a SIGSTOP of the worker: the time from
    the signal to the recovery's detection (the hang's ``detected_monotonic``), ``--stops`` times.
 
@@ -36,6 +37,7 @@ from bench.common import base_parser
 from chaos import inject
 from chaos.harness import OPERATOR_ENV, Daemon, RayHead, data_dir, demo_model_path
 from chaos.load import run_with_fault
+from supervisor import testhooks
 
 NAME = "slow-llama"
 
@@ -67,29 +69,54 @@ def slow_model(hidden: int, layers: int, max_len: int) -> Path:
     return out
 
 
-def start(work: Path, head: RayHead, model: Path, args, *extra: str) -> Daemon:
+def start(work: Path, head: RayHead, model: Path, args, token_clock: bool = False) -> Daemon:
+    """The daemon (standby none) on ``model``; with ``token_clock``, built without the step clock
+    (the test hook: tokens are the probe's clock, as before it)."""
     config = {"ray": {"address": head.address}, "supervisor": {"standby": "none", "max_restarts": 20}}
     flags = (str(model), "--served-model-name", NAME, "--max-model-len", str(args.max_len), "--dtype", "float32",
-             "--enforce-eager", "--max-num-batched-tokens", str(args.chunk), *extra)
-    daemon = Daemon(work, config, env=OPERATOR_ENV, args=flags).start()
+             "--enforce-eager", "--max-num-batched-tokens", str(args.chunk))
+    env = dict(OPERATOR_ENV, **({testhooks.ENV: "1", testhooks.TOKEN_CLOCK_ENV: "1"} if token_clock else {}))
+    daemon = Daemon(work, config, env=env, args=flags).start()
     daemon.wait_ready(timeout_s=600)
     return daemon
 
 
-def long_prompt(daemon: Daemon, n: int) -> dict[str, Any]:
+def long_prompt(daemon: Daemon, n: int, until_recovery: bool = False) -> dict[str, Any]:
     """One completion of a prompt of ``n`` token ids, streamed: its time to first token, and the
-    recoveries it caused."""
+    recoveries it caused (with ``until_recovery``: only until the first, then the client goes)."""
+    import threading
+
     ids = [random.Random(7).randrange(3, 500) for _ in range(n)]
     before = len(daemon.status()["recoveries"])
     started = time.monotonic()
-    first = None
-    with httpx.stream("POST", daemon.base_url + "/v1/completions", timeout=600,
-                      json={"model": NAME, "prompt": ids, "max_tokens": 4, "stream": True, "ignore_eos": True}) as r:
-        for line in r.iter_lines():
-            if line.startswith("data:") and first is None:
-                first = time.monotonic() - started
-    recoveries = daemon.status()["recoveries"][before:]
-    return {"ttft_s": round(first or -1, 2), "recoveries": [(x["reason"], x["detail"][:90]) for x in recoveries]}
+    first: list[float] = []
+
+    def stream() -> None:
+        try:
+            with httpx.stream("POST", daemon.base_url + "/v1/completions", timeout=600,
+                              json={"model": NAME, "prompt": ids, "max_tokens": 4, "stream": True,
+                                    "ignore_eos": True}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data:") and not first:
+                        first.append(time.monotonic() - started)
+                    if until_recovery and done.is_set():
+                        return
+        except httpx.HTTPError:
+            pass
+
+    done = threading.Event()
+    client = threading.Thread(target=stream, daemon=True)
+    client.start()
+    recoveries: list[dict] = []
+    while client.is_alive():
+        client.join(0.5)
+        recoveries = daemon.status()["recoveries"][before:]
+        if until_recovery and recoveries:
+            done.set()
+            break
+    return {"ttft_s": round(first[0], 2) if first else None,
+            "recoveries": [(x["reason"], x["detail"][:90]) for x in recoveries],
+            "detected_after_s": [round(x["detected_monotonic"] - started, 2) for x in recoveries if x.get("detected_monotonic")]}
 
 
 def stop_a_worker(daemon: Daemon, head: RayHead, streams: int) -> float:
@@ -129,9 +156,9 @@ def main() -> int:
                 report["detect_s"] = [round(stop_a_worker(daemon, head, args.streams), 2) for _ in range(args.stops)]
                 print("SIGSTOP detected after", report["detect_s"], flush=True)
                 daemon.stop()
-            with start(Path(tmp) / "tokens", head, model, args, "--disable-log-stats") as daemon:
-                report["tokens_long_prompt"] = long_prompt(daemon, args.prompt_tokens)
-                print("token clock (--disable-log-stats), long prompt:", report["tokens_long_prompt"], flush=True)
+            with start(Path(tmp) / "tokens", head, model, args, token_clock=True) as daemon:
+                report["tokens_long_prompt"] = long_prompt(daemon, args.prompt_tokens, until_recovery=True)
+                print("token clock (test hook), long prompt:", report["tokens_long_prompt"], flush=True)
                 daemon.stop()
     finally:
         inject.disconnect()
@@ -143,8 +170,9 @@ def main() -> int:
         "| case | result |", "| --- | --- |",
         f"| a {args.prompt_tokens}-token prompt, step clock (default) | first token after {report['steps_long_prompt']['ttft_s']} s; "
         f"recoveries: {report['steps_long_prompt']['recoveries'] or 'none'} |",
-        f"| the same, `--disable-log-stats` (no steps reported: tokens are the clock) | first token after "
-        f"{report['tokens_long_prompt']['ttft_s']} s; recoveries: {report['tokens_long_prompt']['recoveries'] or 'none'} |",
+        f"| the same, without the step clock (test hook: tokens are the clock) | "
+        f"first recovery detected {report['tokens_long_prompt']['detected_after_s'][:1] or 'never'} s after the request; "
+        f"recoveries: {report['tokens_long_prompt']['recoveries'] or 'none'} |",
         f"| SIGSTOP of the worker under {args.streams} decoding streams: signal → hang detected | "
         f"{' / '.join(f'{x:.2f}' for x in d)} s (median {statistics.median(d):.2f} s) |", ""])
     (args.out / "hang-detection.md").write_text(text)

@@ -71,8 +71,9 @@ def idle_window(root: int, window_s: float, marker: str | None = None) -> dict[s
             name = f"{title(pid)} ({pid})"
             per[name] = round(100 * (now - (before.get(pid) or 0.0)) / window_s, 2)
     top = dict(sorted(per.items(), key=lambda kv: -kv[1])[:6])
-    return {"cpu_pct": round(sum(per.values()), 2), "pss_mib": round(sum(pss_kib(p) for p in pids) / 1024),
-            "processes": len(pids), "top": top}
+    pss = {f"{title(pid)} ({pid})": round(pss_kib(pid) / 1024) for pid in pids}
+    return {"cpu_pct": round(sum(per.values()), 2), "pss_mib": sum(pss.values()), "processes": len(pids), "top": top,
+            "pss_top": dict(sorted(pss.items(), key=lambda kv: -kv[1])[:8])}
 
 
 def title(pid: int) -> str:
@@ -92,7 +93,8 @@ def warm_up(base_url: str, n: int) -> None:
 def measure_windows(root: int, args, marker: str | None = None) -> dict[str, Any]:
     windows = [idle_window(root, args.window_s, marker) for _ in range(args.windows)]
     return {"cpu_pct": [w["cpu_pct"] for w in windows], "cpu_pct_median": statistics.median(w["cpu_pct"] for w in windows),
-            "pss_mib": windows[-1]["pss_mib"], "processes": windows[-1]["processes"], "top_last_window": windows[-1]["top"]}
+            "pss_mib": windows[-1]["pss_mib"], "processes": windows[-1]["processes"], "top_last_window": windows[-1]["top"],
+            "pss_top": windows[-1]["pss_top"]}
 
 
 def vllm_serve(work: Path, tp: int, ray: bool, args) -> dict[str, Any]:
@@ -162,6 +164,10 @@ def render(results: list[dict[str, Any]], args) -> str:
         windows = " / ".join(f"{c:g}" for c in r["cpu_pct"])
         lines.append(f"| {r['tp']} | {r['server']} | {r['processes']} | {r['cpu_pct_median']:g} ({windows}) | {d_cpu} | "
                      f"{r['pss_mib']} | {d_pss} | {r.get('standby_pss_mib', '—')} |")
+    lines += ["", "Where the memory is (PSS, MiB; the largest processes of each tree, at the end):", ""]
+    for r in results:
+        if "pss_top" in r:
+            lines.append(f"- TP={r['tp']}, {r['server']}: " + "; ".join(f"{k} {v}" for k, v in r["pss_top"].items()))
     return "\n".join(lines) + "\n"
 
 

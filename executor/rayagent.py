@@ -18,6 +18,10 @@ whose agent is killed raises ``AgentGone`` in the caller's thread.
 
 The standby's actor handles live here too: Ray ends an actor when its creator drops the
 last handle, and handles cannot cross processes. The daemon names actors by id.
+
+The agent imports no vLLM (it would hold ≈ 600 MiB for nothing): a kill by name builds a
+handle without the actor's class (``executor.cluster.kill_named``); only a warm standby's
+creation imports the worker class, in the agent of a daemon that has one.
 """
 
 from __future__ import annotations
@@ -38,20 +42,6 @@ AGENT_TITLE = "vllm-supervisor: ray agent"
 
 class AgentGone(RuntimeError):
     """The agent process was killed (cluster lost) or died while a call was in flight."""
-
-
-def preload_worker_classes() -> None:
-    """Import the worker actors' classes (and so vLLM and torch) now, in the background.
-
-    ``ray.get_actor`` loads the actor's class to build its handle: the first kill of a
-    leftover worker by name (a teardown whose engine core died before it could kill its
-    survivors) imported vLLM and torch, ≈ 5 s on 2 cores, inside a recovery. The agent of a
-    daemon with a warm standby imports them anyway; without one it costs ≈ 600 MiB RSS."""
-    try:
-        import executor.ray_cgraph  # noqa: F401
-        import executor.ray_v2  # noqa: F401
-    except Exception:  # a broken import shows where the engine is built, with its context
-        pass
 
 
 class RayService(RayCluster):
@@ -82,7 +72,6 @@ class RayService(RayCluster):
         ready.wait()
         if "error" in done:
             raise done["error"]
-        threading.Thread(target=preload_worker_classes, name="preload", daemon=True).start()
         return done["address"], self.started_local
 
     def shutdown(self) -> None:

@@ -7,8 +7,10 @@ prefill is one step, so a long prompt keeps the clock moving although no token c
 long time: the probe judges a busy engine's progress by this clock, not by tokens. vLLM's own
 plugin interface (``StatLoggerBase``) is the hook; no vLLM internals are touched.
 
-Only with vLLM's stats on (``--disable-log-stats`` not given): without them the engine core
-sends nothing between tokens and ``StepClock.ticking`` stays False.
+It ticks with ``--disable-log-stats`` too: ``AsyncLLM`` turns its stats back on when a logger
+is registered ("enabling logging without default stat loggers"), so the engine core still
+sends them and only vLLM's own loggers stay off. ``StepClock.ticking`` stays False only for an
+engine that reports no step at all; the probe then falls back to tokens.
 """
 
 from __future__ import annotations

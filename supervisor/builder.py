@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from config import Settings
-from supervisor import logs
+from supervisor import logs, testhooks
 from supervisor.generation import Generation
 
 log = logs.get_logger("vllm_supervisor.builder")
@@ -136,7 +136,7 @@ class EngineBuilder:
         instance_id = self.instance_id(number)
         standby = standby or {}
         epoch = self.config_epoch
-        steps = StepClock()
+        steps = None if testhooks.token_clock_only() else StepClock()
         with self._building:
             shm_before = self._shm_before[number] = self._shm_at_build_start = vllm_segments()
             started = time.monotonic()

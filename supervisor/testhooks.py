@@ -8,6 +8,8 @@ character, and waits there until its engine fails (``/readyz?verbose`` counts th
 held as ``test_held``). A test kills a worker when every request is held, so every seam
 falls inside a multi-byte character. Only for byte-level BPE tokenizers (the demo model's).
 
+Without the step clock (``VLLM_SUPERVISOR_TEST_TOKEN_CLOCK=1``): tokens are the probe's clock.
+
 The executor's own hooks (which death report comes first) live in ``executor.testhooks``."""
 
 from __future__ import annotations
@@ -18,6 +20,17 @@ from typing import Any
 from executor.testhooks import ENV, enabled  # noqa: F401 - one switch for both layers
 
 HOLD_MIDCHAR = "supervisor_test_hold_midchar"
+TOKEN_CLOCK_ENV = "VLLM_SUPERVISOR_TEST_TOKEN_CLOCK"
+
+
+def token_clock_only() -> bool:
+    """Build engines without the step clock (``VLLM_SUPERVISOR_TEST_TOKEN_CLOCK=1`` with the
+    hooks on): the probe then judges a busy engine by its tokens, as it did before the step
+    clock, which ``bench.hang_detection`` shows against the step clock on a long prefill.
+    (``--disable-log-stats`` cannot: vLLM turns its stats back on for a registered logger.)"""
+    import os
+
+    return enabled() and os.environ.get(TOKEN_CLOCK_ENV, "") == "1"
 
 
 def hold_midchar_after(params: Any) -> int | None:
