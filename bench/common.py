@@ -122,7 +122,7 @@ def start_daemon(workdir: Path, head: RayHead, tp: int = 1, max_model_len: int =
 
 
 def bench_serve(base_url: str, result_dir: Path, name: str, num_prompts: int, rate: float, input_len: int,
-                output_len: int, seed: int = 0) -> dict[str, Any]:
+                output_len: int, seed: int = 0, max_concurrency: int | None = None) -> dict[str, Any]:
     """vLLM's benchmark client (``vllm bench serve``) through its module, in a subprocess."""
     code = (
         "import argparse, sys\n"
@@ -135,6 +135,7 @@ def bench_serve(base_url: str, result_dir: Path, name: str, num_prompts: int, ra
         "--random-output-len", str(output_len), "--num-prompts", str(num_prompts), "--request-rate", str(rate),
         "--seed", str(seed), "--ignore-eos", "--disable-tqdm", "--percentile-metrics", "ttft,tpot,itl,e2el",
         "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(result_dir), "--result-filename", f"{name}.json",
+        *(["--max-concurrency", str(max_concurrency)] if max_concurrency else []),
     ]
     out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=900, cwd=ROOT)
     if out.returncode != 0:
@@ -149,6 +150,27 @@ def cpu_s(pid: int) -> float:
     with open(f"/proc/{pid}/stat", "rb") as fh:
         fields = fh.read().rsplit(b")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def tree(roots: list[int] | int, marker: str | None = None) -> list[int]:
+    """``roots`` and their descendants, plus the processes carrying ``marker`` (a Ray head's)."""
+    from chaos.harness import marked_pids
+    from executor.reaper import descendants
+
+    roots = [roots] if isinstance(roots, int) else list(roots)
+    roots += marked_pids(marker) if marker else []
+    return sorted(set(roots) | {pid for root in roots for pid, _ in descendants(root)})
+
+
+def tree_cpu_s(pids: list[int]) -> dict[int, float]:
+    """CPU seconds of each of ``pids`` still alive."""
+    out = {}
+    for pid in pids:
+        try:
+            out[pid] = cpu_s(pid)
+        except (OSError, IndexError, ValueError):  # gone meanwhile
+            pass
+    return out
 
 
 def process_usage(pids: dict[str, int], window_s: float) -> dict[str, dict[str, float]]:

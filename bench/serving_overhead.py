@@ -1,8 +1,19 @@
 """Serving overhead: the daemon vs. ``vllm serve`` on the same model, executor and Ray cluster,
-measured with the same client (``vllm bench serve``, random dataset, fixed seed and rate),
-alternating the two several times. Prints per-metric ratios daemon / vllm serve.
+measured with the same client (``vllm bench serve``, random dataset, fixed seed), alternating
+the servers several times. Prints per-metric ratios daemon / vllm serve.
+
+Two modes:
+
+- at a fixed rate (default ``--rate 16``, below what either server can do): what a client
+  waits for (TTFT, ITL) when the server is not the bottleneck;
+- ``--saturation``: capacity. No rate limit, ``--max-concurrency`` streams always in flight
+  (8; 32 in / 64 out tokens): the request throughput each server sustains, and its CPU per
+  generated token (its whole process tree and the Ray head's, over the run). The daemon runs
+  twice here: with its defaults (the warm standby's processes beside the engine) and with
+  ``standby = "none"``.
 
     python -m bench.serving_overhead --rounds 3
+    python -m bench.serving_overhead --saturation --rounds 3
 """
 
 from __future__ import annotations
@@ -14,7 +25,7 @@ import time
 import traceback
 from pathlib import Path
 
-from bench.common import VllmServe, base_parser, bench_serve, spread, start_daemon
+from bench.common import VllmServe, base_parser, bench_serve, spread, start_daemon, tree, tree_cpu_s
 from chaos import inject
 from chaos.harness import RayHead
 
@@ -25,42 +36,71 @@ METRICS = [
     ("p99_ttft_ms", "TTFT p99", "lower"),
     ("p50_itl_ms", "ITL p50", "lower"),
     ("p99_itl_ms", "ITL p99", "lower"),
+    ("cpu_ms_per_token", "CPU per output token (ms, whole tree)", "lower"),
 ]
+LABELS = {"vllm_serve": "vllm serve", "daemon": "daemon (defaults)", "daemon_standby_none": "daemon, standby none"}
+
+
+def start(kind: str, work: Path, head: RayHead):
+    if kind == "vllm_serve":
+        server = VllmServe(work, head).start()
+        server.wait_ready()
+        return server
+    server = start_daemon(work, head, **({"standby": "none"} if kind == "daemon_standby_none" else {}))
+    server.wait_ready()
+    if kind == "daemon":
+        server.wait_standby()  # its standby built before the run, as in a server that has been up a while
+    return server
+
+
+def run_one(kind: str, work: Path, head: RayHead, r: int, args) -> dict:
+    server = start(kind, work, head)
+    try:
+        # one short warm-up so every server starts from a warm engine
+        bench_serve(server.base_url, work, f"warmup-{kind}-{r}", 8, float("inf"), args.input_len, args.output_len, seed=99)
+        pids = tree(server.proc.pid, head.marker)
+        before = tree_cpu_s(pids)
+        result = bench_serve(server.base_url, work, f"{kind}-{r}", args.num_prompts, args.rate, args.input_len,
+                             args.output_len, seed=0, max_concurrency=args.max_concurrency)
+        after = tree_cpu_s(tree(server.proc.pid, head.marker))
+        cpu = sum(after[p] - before.get(p, 0.0) for p in after)
+        result["cpu_s"] = cpu
+        result["cpu_ms_per_token"] = 1000 * cpu / max(1, result["total_output_tokens"])
+        assert result["failed"] == 0, result
+        return result
+    finally:
+        server.stop()
 
 
 def main() -> int:
     parser = base_parser(__doc__)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--rate", type=float, default=16.0)
-    parser.add_argument("--input-len", type=int, default=64)
-    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--saturation", action="store_true", help="no rate limit, --max-concurrency streams")
+    parser.add_argument("--num-prompts", type=int)
+    parser.add_argument("--rate", type=float)
+    parser.add_argument("--max-concurrency", type=int)
+    parser.add_argument("--input-len", type=int)
+    parser.add_argument("--output-len", type=int)
     args = parser.parse_args()
+    defaults = ({"num_prompts": 400, "rate": float("inf"), "max_concurrency": 8, "input_len": 32, "output_len": 64}
+                if args.saturation else {"num_prompts": 64, "rate": 16.0, "max_concurrency": None, "input_len": 64, "output_len": 64})
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    kinds = ["vllm_serve", "daemon", "daemon_standby_none"] if args.saturation else ["vllm_serve", "daemon"]
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
     head = RayHead(num_cpus=2).start()
-    runs: dict[str, list[dict]] = {"vllm_serve": [], "daemon": []}
+    runs: dict[str, list[dict]] = {k: [] for k in kinds}
     try:
         for r in range(args.rounds):
-            for kind in ("vllm_serve", "daemon"):
-                if kind == "vllm_serve":
-                    server = VllmServe(work, head).start()
-                    server.wait_ready()
-                    url = server.base_url
-                else:
-                    (work / f"d{r}").mkdir()
-                    server = start_daemon(work / f"d{r}", head)
-                    server.wait_ready()
-                    url = server.base_url
-                # one short warm-up so both start from a warm engine
-                bench_serve(url, work, f"warmup-{kind}-{r}", 8, float("inf"), args.input_len, args.output_len, seed=99)
-                result = bench_serve(url, work, f"{kind}-{r}", args.num_prompts, args.rate, args.input_len,
-                                     args.output_len, seed=0)
-                assert result["failed"] == 0, result
+            for kind in kinds:
+                (work / f"{kind}-{r}").mkdir()
+                result = run_one(kind, work / f"{kind}-{r}", head, r, args)
                 runs[kind].append(result)
-                server.stop()
-                print(f"round {r + 1} {kind}: {result['output_throughput']:.0f} tok/s, "
-                      f"TTFT p50 {result['p50_ttft_ms']:.1f} ms, ITL p50 {result['p50_itl_ms']:.2f} ms", flush=True)
+                print(f"round {r + 1} {kind}: {result['request_throughput']:.2f} req/s, {result['output_throughput']:.0f} tok/s, "
+                      f"TTFT p50 {result['p50_ttft_ms']:.1f} ms, ITL p50 {result['p50_itl_ms']:.2f} ms, "
+                      f"{result['cpu_ms_per_token']:.2f} CPU-ms/token", flush=True)
     except BaseException:
         traceback.print_exc()
         raise
@@ -69,29 +109,35 @@ def main() -> int:
         head.stop()
     rows = []
     for key, label, better in METRICS:
-        ratios = [d[key] / v[key] for d, v in zip(runs["daemon"], runs["vllm_serve"]) if v[key]]
-        rows.append({"metric": label, "better": better, "ratios": ratios,
-                     "vllm_serve": [v[key] for v in runs["vllm_serve"]], "daemon": [d[key] for d in runs["daemon"]]})
+        row = {"metric": label, "key": key, "better": better, **{k: [x[key] for x in runs[k]] for k in kinds}}
+        for k in kinds[1:]:
+            row[f"ratios_{k}"] = [d[key] / v[key] for d, v in zip(runs[k], runs["vllm_serve"]) if v[key]]
+        rows.append(row)
+    mode = (f"saturation: {args.max_concurrency} streams always in flight, no rate limit" if args.saturation
+            else f"{args.rate:g} req/s")
     table = [
-        f"Serving overhead, {time.strftime('%Y-%m-%d')}: {args.rounds} alternating rounds, {args.num_prompts} prompts "
-        f"at {args.rate:g} req/s, {args.input_len} in / {args.output_len} out tokens, TP=1, demo model on CPU",
+        f"Serving overhead, {time.strftime('%Y-%m-%d')}: {args.rounds} alternating rounds, {args.num_prompts} prompts, "
+        f"{mode}, {args.input_len} in / {args.output_len} out tokens, TP=1, demo model on CPU, all on one Ray head",
         "",
-        "| metric | ratio daemon / vllm serve (min / median / max) | vllm serve (median) | daemon (median) |",
-        "| --- | --- | --- | --- |",
+        "| metric | " + " | ".join(f"ratio {LABELS[k]} / vllm serve (min / median / max)" for k in kinds[1:]) + " | "
+        + " | ".join(f"{LABELS[k]} (median)" for k in kinds) + " |",
+        "| --- | " + " | ".join("---" for _ in kinds[1:]) + " | " + " | ".join("---" for _ in kinds) + " |",
     ]
     for row in rows:
-        table.append(f"| {row['metric']} ({row['better']} is better) | {spread(row['ratios'])} | "
-                     f"{statistics.median(row['vllm_serve']):.2f} | {statistics.median(row['daemon']):.2f} |")
+        table.append(f"| {row['metric']} ({row['better']} is better) | "
+                     + " | ".join(spread(row[f"ratios_{k}"]) for k in kinds[1:]) + " | "
+                     + " | ".join(f"{statistics.median(row[k]):.2f}" for k in kinds) + " |")
     table += [
-        "", "Each round (output tok/s, TTFT p50 ms, ITL p50 ms):", "",
-        "| round | vllm serve | daemon |", "| --- | --- | --- |",
-        *[f"| {i + 1} | {v['output_throughput']:.0f}, {v['p50_ttft_ms']:.1f}, {v['p50_itl_ms']:.2f} | "
-          f"{d['output_throughput']:.0f}, {d['p50_ttft_ms']:.1f}, {d['p50_itl_ms']:.2f} |"
-          for i, (v, d) in enumerate(zip(runs["vllm_serve"], runs["daemon"]))],
+        "", "Each round (request/s, output tok/s, TTFT p50 ms, ITL p50 ms, CPU-ms per token):", "",
+        "| round | " + " | ".join(LABELS[k] for k in kinds) + " |", "| --- | " + " | ".join("---" for _ in kinds) + " |",
+        *[f"| {i + 1} | " + " | ".join(
+            f"{x['request_throughput']:.2f}, {x['output_throughput']:.0f}, {x['p50_ttft_ms']:.1f}, {x['p50_itl_ms']:.2f}, "
+            f"{x['cpu_ms_per_token']:.2f}" for x in (runs[k][i] for k in kinds)) + " |" for i in range(args.rounds)],
     ]
     text = "\n".join(table) + "\n"
-    (args.out / "serving_overhead.md").write_text(text)
-    (args.out / "serving_overhead.json").write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "rows": rows}, indent=2))
+    name = "serving_saturation" if args.saturation else "serving_overhead"
+    (args.out / f"{name}.md").write_text(text)
+    (args.out / f"{name}.json").write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "rows": rows}, indent=2))
     print(text)
     return 0
 

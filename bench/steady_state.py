@@ -28,18 +28,8 @@ from typing import Any
 import httpx
 
 from bench import common
-from bench.common import MODEL_NAME, VllmServe, base_parser
+from bench.common import MODEL_NAME, VllmServe, base_parser, tree
 from chaos.harness import Daemon, RayHead
-
-
-def tree(roots: list[int] | int, marker: str | None = None) -> list[int]:
-    """``roots`` and their descendants, plus the processes carrying ``marker`` (a Ray head's)."""
-    from chaos.harness import marked_pids
-    from executor.reaper import descendants
-
-    roots = [roots] if isinstance(roots, int) else list(roots)
-    roots += marked_pids(marker) if marker else []
-    return sorted(set(roots) | {pid for root in roots for pid, _ in descendants(root)})
 
 
 def cpu_s(pid: int) -> float | None:
