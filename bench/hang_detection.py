@@ -171,7 +171,7 @@ def main() -> int:
         f"| a {args.prompt_tokens}-token prompt, step clock (default) | first token after {report['steps_long_prompt']['ttft_s']} s; "
         f"recoveries: {report['steps_long_prompt']['recoveries'] or 'none'} |",
         f"| the same, without the step clock (test hook: tokens are the clock) | "
-        f"first recovery detected {report['tokens_long_prompt']['detected_after_s'][:1] or 'never'} s after the request; "
+        f"first recovery detected {(report['tokens_long_prompt']['detected_after_s'] or ['never'])[0]} s after the request; "
         f"recoveries: {report['tokens_long_prompt']['recoveries'] or 'none'} |",
         f"| SIGSTOP of the worker under {args.streams} decoding streams: signal → hang detected | "
         f"{' / '.join(f'{x:.2f}' for x in d)} s (median {statistics.median(d):.2f} s) |", ""])

@@ -113,10 +113,11 @@ class SupervisorSettings(_Section):
     canary_interval_s: float = Field(
         30.0, gt=0, description="while idle, a one-token canary this often: a hung idle engine is found before a request finds it")
     probe_timeout_s: float = Field(10.0, gt=0)
-    # 6 s: above vLLM's own worst case for a healthy step's wake-up (a reader that lost the ring's
-    # notification re-reads it after SHM_READER_RECHECK_INTERVAL_MS = 5 s)
+    # 4 s: above the worst case for a healthy step's wake-up (a ring reader that lost its
+    # notification re-reads the ring after 1 s: executor.canary.bound_lost_wakeup; vLLM's own is
+    # 5 s). Raise it where one engine step (a prefill chunk) can take longer than this.
     hang_timeout_s: float = Field(
-        6.0, gt=0, description="a busy engine that takes no step for this long is hung (found within about 0.7 s more)")
+        4.0, gt=0, description="a busy engine that takes no step for this long is hung (found within about 0.7 s more)")
     probe_failure_threshold: int = Field(2, ge=1)
     replicas: int = Field(
         1, ge=1, le=64, description="engine replicas, each with its own workers; a failed one's streams move to the others")

@@ -9,6 +9,13 @@ core (half a core per worker with a canary every 2 s, ``bench/results/executor-i
 worker whose last step held only canaries goes back to waiting on the ring's notification at
 once (``go_idle``): the next real step wakes it as it wakes a worker idle for more than a
 second, which is what an idle ``vllm serve`` worker is.
+
+A reader waiting on the ring's notification re-reads the ring every
+``SHM_READER_RECHECK_INTERVAL_MS`` in case it missed one (vLLM: 5 s); here every
+``READER_RECHECK_MS`` (1 s, ``bound_lost_wakeup``), in the engine core and in each worker.
+A missed notification then delays a healthy step by at most a second, not five, which is
+what lets the probe call a busy engine hung after 4 s without stepping (``hang_timeout_s``).
+The cost: an idle reader checks one flag once a second instead of once in five.
 """
 
 from __future__ import annotations
@@ -16,6 +23,17 @@ from __future__ import annotations
 from typing import Any
 
 CANARY_PREFIX = "probe-"  # the request ids of the supervisor's idle canary (supervisor.engine_client)
+READER_RECHECK_MS = 1000  # a ring reader that missed its notification reads again after this
+
+
+def bound_lost_wakeup() -> None:
+    """Make this process's ring readers re-read at least every ``READER_RECHECK_MS`` (vLLM reads
+    the module constant on every wait)."""
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    current = getattr(shm_broadcast, "SHM_READER_RECHECK_INTERVAL_MS", None)
+    if isinstance(current, int) and current > READER_RECHECK_MS:
+        shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = READER_RECHECK_MS
 
 
 def step_serves_clients(scheduler_output: Any) -> bool | None:

@@ -14,7 +14,10 @@ import time
 
 from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
+from executor import canary
 from executor.reporting import DeathReporter, Dead
+
+canary.bound_lost_wakeup()  # the engine core's readers, and the workers it forks
 
 
 class SupervisedMultiprocExecutor(DeathReporter, MultiprocExecutor):

@@ -35,6 +35,8 @@ from vllm.platforms import current_platform
 from executor import canary
 from executor.reporting import CAUSE_MAX_CHARS, DeathReporter, Dead
 
+canary.bound_lost_wakeup()  # in the engine core and in every worker: both import this module
+
 # Under vLLM's logger tree: in the engine-core process vLLM's logging config (handler, level,
 # the "(EngineCore pid=…)" prefix) applies to these lines too; a logger outside it prints
 # warnings only.

@@ -22,7 +22,7 @@ from chaos.harness import OPERATOR_ENV, Daemon, RayHead, stale_actors
 pytestmark = pytest.mark.integration
 
 MAX_TOKENS = 400
-FAST_PROBES = {"probe_interval_s": 1.0, "canary_interval_s": 1.0, "hang_timeout_s": 6.0, "probe_timeout_s": 5.0, "probe_failure_threshold": 2,
+FAST_PROBES = {"probe_interval_s": 1.0, "canary_interval_s": 1.0, "hang_timeout_s": 4.0, "probe_timeout_s": 5.0, "probe_failure_threshold": 2,
                "restart_backoff_initial_s": 0.2}
 
 

@@ -170,3 +170,17 @@ def test_an_idle_engine_gets_a_canary_every_canary_interval_s_not_every_probe(tm
         owner.cancel()
 
     asyncio.run(scenario())
+
+
+def test_a_lost_ring_wakeup_costs_at_most_a_second():
+    """The executors bound how long a ring reader that missed its notification waits before it
+    re-reads (vLLM: 5 s), so a healthy step is never late by more than hang_timeout_s allows."""
+    import executor.ray_v2  # noqa: F401 - the engine core and the workers import it
+    from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+
+    from config import SupervisorSettings
+    from executor.canary import READER_RECHECK_MS
+
+    wait = MessageQueue.ReadTimeoutWithWarnings(timeout=None, should_warn=False)
+    assert wait.timeout_ms() == READER_RECHECK_MS == 1000  # what an idle reader waits, per wake-up
+    assert SupervisorSettings().hang_timeout_s >= 3 * READER_RECHECK_MS / 1000
