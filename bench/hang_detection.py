@@ -6,7 +6,7 @@ it with the daemon on a Ray head, defaults but ``--max-num-batched-tokens`` (the
 Then, in one run:
 
 1. a prompt of ``--prompt-tokens`` tokens, alone: its prefill takes many steps and no token for
-   longer than ``hang_timeout_s`` (6 s by default). Its time to first token is measured and no
+   longer than ``hang_timeout_s`` (4 s by default). Its time to first token is measured and no
    recovery may follow (the step clock sees the chunks);
 2. the same on a second daemon built without the step clock (the test hook
    ``VLLM_SUPERVISOR_TEST_TOKEN_CLOCK``: tokens are the probe's clock, as before): the prefill
@@ -34,6 +34,7 @@ from typing import Any
 import httpx
 
 from bench.common import base_parser
+from config import SupervisorSettings
 from chaos import inject
 from chaos.harness import OPERATOR_ENV, Daemon, RayHead, data_dir, demo_model_path
 from chaos.load import run_with_fault
@@ -166,7 +167,7 @@ def main() -> int:
     d = report["detect_s"]
     text = "\n".join([
         f"# Hang detection by engine steps ({time.strftime('%Y-%m-%d')}; {model.name}, TP=1, "
-        f"--max-num-batched-tokens {args.chunk}, hang_timeout_s 6 (default))", "",
+        f"--max-num-batched-tokens {args.chunk}, hang_timeout_s {SupervisorSettings().hang_timeout_s:g} (default))", "",
         "| case | result |", "| --- | --- |",
         f"| a {args.prompt_tokens}-token prompt, step clock (default) | first token after {report['steps_long_prompt']['ttft_s']} s; "
         f"recoveries: {report['steps_long_prompt']['recoveries'] or 'none'} |",
