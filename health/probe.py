@@ -5,15 +5,17 @@ engine took no step for ``hang_timeout_s`` (since the oldest stream began, so ne
 hide a hang) and still none ``CONFIRM_S`` later is hung (one ``EngineFailed``, no threshold). The clock is the engine's own steps
 (``executor.steps``): each chunk of a chunked prefill is one, so a long prompt is progress
 although no token comes out for a long time; an engine that reports no steps (vLLM's stats off)
-is judged by its tokens.
+is judged by its tokens. The idle canary is a stream too: a hung idle engine is found
+``hang_timeout_s`` after the canary that finds it was sent ("… with the idle canary running"),
+sooner than its timeout with the defaults.
 
 Every ``probe_interval_s`` while READY, for each serving replica: the engine says it errored; the
 Ray cluster does not answer a Ray call (a hung GCS: its port still accepts, so
 ``health.clusterwatch`` sees nothing; reported as ``ClusterLost``); or, idle for
 ``canary_interval_s``, a one-token canary slower than ``probe_timeout_s`` (an idle engine costs
 nothing between canaries: a canary step does not leave the workers spinning, ``executor.canary``;
-a request that finds a hung idle engine is a busy engine's case, found after ``hang_timeout_s``). ``probe_failure_threshold`` consecutive failures of a replica
-make one ``EngineFailed``.
+a request that finds a hung idle engine is a busy engine's case, found after ``hang_timeout_s``).
+``probe_failure_threshold`` consecutive failures of a replica make one ``EngineFailed``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, Any
 
+from executor.canary import CANARY_PREFIX
 from supervisor import aio, logs
 from supervisor.events import ClusterLost, EngineFailed
 from supervisor.generation import Interrupted
@@ -47,8 +50,15 @@ def stalled(gen: Any, hang_timeout_s: float, now: float | None = None) -> str | 
     if waited <= hang_timeout_s:
         return None
     clock = "engine step" if gen.steps is not None and gen.steps.ticking else "token"
-    return (f"no {clock} for {waited:.1f} s with {len(gen.pumps)} stream(s) running "
+    running = (f"{len(gen.pumps)} stream(s) running" if any(not _is_canary(t) for t in gen.pumps)
+               else "the idle canary running")
+    return (f"no {clock} for {waited:.1f} s with {running} "
             f"(last token {now - max(gen.last_output_monotonic, oldest):.1f} s ago)")
+
+
+def _is_canary(task: Any) -> bool:
+    name = task.get_name() if hasattr(task, "get_name") else ""
+    return name.startswith(CANARY_PREFIX)
 
 
 class EngineProbe:

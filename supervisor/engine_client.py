@@ -303,7 +303,7 @@ class SupervisedEngineClient(EngineClient):
 
         if gen.failed:
             raise Interrupted()
-        task = asyncio.create_task(pump())
+        task = asyncio.create_task(pump(), name=request_id)  # the hang check tells the canary by its id
         gen.pumps[task] = (time.monotonic(), queue)
         self._live[client_id] = (gen, request_id)
         try:
