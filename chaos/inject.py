@@ -13,7 +13,7 @@ Without ``--match``, the worker commands target each daemon's serving engine (it
 live generation): the warm standby's actors already carry the next generation's names.
 ``kill-worker --standby`` kills a standby actor instead.
 Ray 2.60 clusters use token auth: export the cluster's ``RAY_AUTH_MODE=token`` and
-``RAY_AUTH_TOKEN`` as for any Ray client (README, "Fault injection").
+``RAY_AUTH_TOKEN`` as for any Ray client (docs/operating.md, "Chaos tools").
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The daemon's Ray driver, in a child process of its own (``RayAgent``).
 
-Why a process of its own (measured on Ray 2.60, README "Ray head loss"): when the GCS of
+Why a process of its own (measured on Ray 2.60, docs/failure-handling.md, "Ray head loss"): when the GCS of
 the cluster goes away and a new one starts on the same address, a driver that still has a
 GCS call in flight (``ray.nodes()``, the actor table the standby polls, the placement-group
 table) is aborted by Ray's core worker: the call retries until the new GCS answers

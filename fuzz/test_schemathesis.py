@@ -1,5 +1,5 @@
 """schemathesis against the real daemon's OpenAPI schema (``make chaos``; not in ``make test``:
-a fuzz run keeps finding new 500s inside vLLM's own front, see the README). Shares the daemon
+a fuzz run keeps finding new 500s inside vLLM's own front, see docs/security.md, "Tested"). Shares the daemon
 fixture of ``tests/integration/test_fuzz.py``."""
 
 from __future__ import annotations

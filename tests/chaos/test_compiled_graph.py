@@ -36,7 +36,7 @@ IDLE_KILL = {"tp2"}  # the layouts that also get a kill while idle (the GCS poll
 
 
 def assert_compiled_in_build(daemon: Daemon, generation: int) -> None:
-    """The executor compiled generation ``generation``'s graph during its build (README,
+    """The executor compiled generation ``generation``'s graph during its build (docs/executors.md,
     "Executors beyond Ray V2"): the compile's log line comes before the daemon's "engine up"."""
     lines = daemon.log_path.read_text(errors="replace").splitlines()
     compiled = [i for i, line in enumerate(lines) if f"generation {generation}: compiled graph built in" in line]

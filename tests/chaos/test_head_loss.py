@@ -7,7 +7,7 @@ and every client must read exactly the text of a fault-free run. In the second t
 down: the daemon exits 75 after ``ray.reconnect_timeout_s`` and leaves nothing behind.
 
 Before this was built the daemon's in-process Ray driver was aborted by Ray's core worker when
-the head came back (``WrongClusterID``), exit 1, every stream lost (README, "Ray head loss").
+the head came back (``WrongClusterID``), exit 1, every stream lost (docs/failure-handling.md, "Ray head loss").
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.integration
 STREAMS = 16
 MAX_TOKENS = 300
 # The largest wait between two chunks of a stream whose replica was killed. Moved at once, it
-# is 0.2-1.1 s here (README); waiting for the killed replica's own rebuild would be 15-55 s.
+# is 0.2-1.1 s here (docs/replicas.md); waiting for the killed replica's own rebuild would be 15-55 s.
 MAX_GAP_S = 5.0
 FRESH = dict(n=4, max_tokens=32, offset=3)  # the requests sent while a replica rebuilds
 # vLLM's dev endpoints (/pause, /resume, /is_paused, /reset_prefix_cache): an operator's setting

@@ -1,7 +1,7 @@
 """The API under generated and hostile input, on the real daemon (demo model, Ray, vLLM).
 
 * ``schemathesis`` (``fuzz/test_schemathesis.py``, run by ``make chaos``, not by ``make test``:
-  each run finds new vLLM crashes, see the README) drives the daemon's own OpenAPI schema (every operation vLLM's app
+  each run finds new vLLM crashes, see docs/security.md, "Tested") drives the daemon's own OpenAPI schema (every operation vLLM's app
   serves; valid and invalid data, its coverage and fuzzing phases) for ``FUZZ_S`` seconds
   (``VLLM_SUPERVISOR_FUZZ_S``: 150 in ``make test``, longer in ``make chaos``): no response
   may be a 5xx. One exception, configured per operation in ``fuzz/schemathesis.toml``:

@@ -290,7 +290,7 @@ def test_ctl_drain_then_resume(daemon):
     r = daemon.get("/readyz")
     assert r.status_code == 503 and r.json()["state"] == "draining"
     assert r.headers.get("retry-after", "").isdigit(), r.headers
-    health = daemon.get("/health")  # no engine admits while draining (README: /health)
+    health = daemon.get("/health")  # no engine admits while draining (docs/operating.md: /health)
     assert health.status_code == 503 and health.headers.get("retry-after", "").isdigit(), (health.status_code, health.headers)
     c = openai.OpenAI(base_url=daemon.base_url + "/v1", api_key=KEY, max_retries=0, timeout=60)
     result = {}

@@ -64,7 +64,7 @@ def test_the_private_cluster_token_is_never_written_to_disk(daemon, home):
 
     out = connect("0" * 64)
     assert out.returncode == 3 and "refused" in out.stdout, (out.stdout[-500:], out.stderr[-2000:])
-    # the operator's way in (README, "Chaos tools"): `ctl ray-env` over the 0600 control socket
+    # the operator's way in (docs/operating.md, "Chaos tools"): `ctl ray-env` over the 0600 control socket
     # gives the address, the mode and the cluster's own token (the one the GCS was started with)
     ctl = subprocess.run([str(BIN / "vllm-supervisor"), "ctl", "--port", str(daemon.port), "ray-env"],
                          capture_output=True, text=True, timeout=60)
