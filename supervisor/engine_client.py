@@ -184,7 +184,8 @@ class SupervisedEngineClient(EngineClient):
         self.idle.clear()
         try:
             while True:
-                gen = await self._admit(parked=attempt > 0, not_gen=dead)
+                route_ids = prompt_ids or (prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None)
+                gen = await self._admit(parked=attempt > 0, not_gen=dead, token_ids=route_ids)
                 try:
                     if not yielded and not delivered:
                         sub, engine_prompt, kw = copy.deepcopy(pristine), prompt, kwargs
@@ -331,12 +332,13 @@ class SupervisedEngineClient(EngineClient):
                                   f"{CANARY_PREFIX}{uuid.uuid4().hex[:8]}"):
             pass
 
-    async def _admit(self, parked: bool, not_gen: Generation | None = None) -> Generation:
+    async def _admit(self, parked: bool, not_gen: Generation | None = None, token_ids: Any = None) -> Generation:
         """A serving generation once READY (and not ``not_gen``, a generation the request saw
         die before the owner task marked it failed). New requests wait in a bounded queue up
-        to ``admission_timeout_s``; parked ones wait up to ``recovery_timeout_s``."""
+        to ``admission_timeout_s``; parked ones wait up to ``recovery_timeout_s``. ``token_ids``:
+        the prompt, for prefix-aware routing between replicas."""
         owner = self.owner
-        if (gen := owner.pick(not_gen, parked)) is not None:
+        if (gen := owner.pick(not_gen, parked, token_ids)) is not None:
             return gen
         if parked and (owner.state.terminal or owner.state is State.STOPPING):
             owner.count_outcome("failed")
@@ -351,10 +353,10 @@ class SupervisedEngineClient(EngineClient):
             self.waiting_new += 1
         try:
             while True:
-                if (gen := owner.pick(not_gen, parked)) is not None:
+                if (gen := owner.pick(not_gen, parked, token_ids)) is not None:
                     return gen
                 if owner.state.terminal or owner.state is State.STOPPING:
-                    return await self._admit(parked, not_gen)
+                    return await self._admit(parked, not_gen, token_ids)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     if parked:
