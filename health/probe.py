@@ -7,7 +7,9 @@ hide a hang) and still none ``CONFIRM_S`` later is hung (one ``EngineFailed``, n
 although no token comes out for a long time; an engine that reports no steps (vLLM's stats off)
 is judged by its tokens. The idle canary is a stream too: a hung idle engine is found
 ``hang_timeout_s`` after the canary that finds it was sent ("… with the idle canary running"),
-sooner than its timeout with the defaults.
+sooner than its timeout with the defaults. While the engines are held on purpose (vLLM's
+``pause_generation``, ``sleep``: ``/pause``, ``/sleep``) nothing is checked, and the wait of a
+stream is counted from the release.
 
 Every ``probe_interval_s`` while READY, for each serving replica: the engine says it errored; the
 Ray cluster does not answer a Ray call (a hung GCS: its port still accepts, so
@@ -39,14 +41,15 @@ STALL_CHECK_S = 0.5  # how often a busy engine's step clock is read (a float com
 CONFIRM_S = 0.2  # a stall is read again this much later before it is a hang
 
 
-def stalled(gen: Any, hang_timeout_s: float, now: float | None = None) -> str | None:
-    """Why a busy generation is hung (its streams waited ``hang_timeout_s`` on no engine step),
-    or None: idle, or still moving."""
+def stalled(gen: Any, hang_timeout_s: float, now: float | None = None, since: float = 0.0) -> str | None:
+    """Why a busy generation is hung (its streams waited ``hang_timeout_s`` on no engine step
+    since ``since``, when the engines were last released from a pause or sleep), or None:
+    idle, or still moving."""
     if not gen.pumps:
         return None
     now = time.monotonic() if now is None else now
     oldest = min(start for start, _ in gen.pumps.values())
-    waited = now - max(gen.last_progress(), oldest)
+    waited = now - max(gen.last_progress(), oldest, since)
     if waited <= hang_timeout_s:
         return None
     clock = "engine step" if gen.steps is not None and gen.steps.ticking else "token"
@@ -93,16 +96,19 @@ class EngineProbe:
             probe_now = time.monotonic() >= next_probe
             if probe_now:
                 next_probe = time.monotonic() + sup.cfg.probe_interval_s
+            client = sup.client
             for rep in sup.replicas:
-                if sup.state is not State.READY or not rep.serving():
-                    rep.probe_failures = 0  # a new generation starts with a clean slate
+                if sup.state is not State.READY or not rep.serving() or client.holds:
+                    # a new generation starts with a clean slate; a paused or sleeping engine
+                    # (vLLM's pause_generation / sleep) is still on purpose, and so is its canary
+                    rep.probe_failures = 0
                     continue
                 gen = rep.current
-                if stalled(gen, sup.cfg.hang_timeout_s) is not None:
+                if stalled(gen, sup.cfg.hang_timeout_s, since=client.released_monotonic) is not None:
                     # Once more after the loop ran a while: a daemon loop that was itself held up
                     # has step reports queued for it, which must be read before anything is hung.
                     await asyncio.sleep(CONFIRM_S)
-                    problem = stalled(gen, sup.cfg.hang_timeout_s)
+                    problem = None if client.holds else stalled(gen, sup.cfg.hang_timeout_s, since=client.released_monotonic)
                     if problem is not None and not gen.failed and gen is rep.current and sup.state is State.READY:
                         rep.probe_failures = 0  # the wait is itself the evidence: no threshold
                         log.warning("probe failed", problem=problem, replica=rep.index)

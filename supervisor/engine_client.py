@@ -68,6 +68,10 @@ class SupervisedEngineClient(EngineClient):
         self.waiting_new = 0  # new requests queued for admission
         self.parked = 0  # in-flight requests waiting for the next generation
         self.held = 0  # streams stopped by the test hook
+        # Engines held on purpose (``pause_generation``, ``sleep``) until ``resume_generation`` /
+        # ``wake_up``: the probe does not take their stillness for a hang.
+        self.holds: set[str] = set()
+        self.released_monotonic = 0.0  # when the last hold ended
         self._test_hooks = testhooks.enabled()  # False in production
         self.idle = asyncio.Event()
         self.idle.set()
@@ -422,14 +426,26 @@ class SupervisedEngineClient(EngineClient):
     async def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
         return all(await self._each("reset_prefix_cache", *args, **kwargs))
 
+    def _hold(self, reason: str) -> None:
+        self.holds.add(reason)
+
+    def _release(self, reason: str) -> None:
+        if reason in self.holds:
+            self.holds.discard(reason)
+            self.released_monotonic = time.monotonic()
+
     async def sleep(self, *args: Any, **kwargs: Any) -> None:
+        self._hold("sleep")
         await self._each("sleep", *args, **kwargs)
 
     async def release_kv_cache_memory(self) -> None:
         await self._each("release_kv_cache_memory")
 
     async def wake_up(self, tags: list[str] | None = None) -> bool:
-        return all(await self._each("wake_up", tags))
+        try:
+            return all(await self._each("wake_up", tags))
+        finally:
+            self._release("sleep")
 
     async def is_sleeping(self) -> bool:
         return bool(self.owner.serving() and any(await self._each("is_sleeping")))
@@ -438,10 +454,14 @@ class SupervisedEngineClient(EngineClient):
         return all(await self._each("add_lora", lora_request))
 
     async def pause_generation(self, **kwargs: Any) -> None:
+        self._hold("pause")
         await self._each("pause_generation", **kwargs)
 
     async def resume_generation(self) -> None:
-        await self._each("resume_generation")
+        try:
+            await self._each("resume_generation")
+        finally:
+            self._release("pause")
 
     async def is_paused(self) -> bool:
         return bool(self.owner.serving() and any(await self._each("is_paused")))

@@ -90,6 +90,7 @@ def two(tmp_path_factory, ray_head):
         inject.prepare(ray_head.address)
         ref = as_reference(asyncio.run(run_with_fault(d.base_url, len(PROMPTS), MAX_TOKENS))[0])
         fresh_ref = as_reference(fresh_requests(d))
+        VLLM_COUNTS.update(vllm_counts(d))
         yield d, ref, fresh_ref
         stop_leaves_nothing(d, ray_head)
 
@@ -243,3 +244,30 @@ def test_both_replicas_killed_streams_wait_for_the_first_back(two, ray_head):
     assert "recovering" in watch.states  # none served for a while: parked, not failed
     after = daemon.wait_replicas_serving(before)
     assert {r["replica"] for r in daemon.status()["recoveries"][-2:]} == {0, 1}, after
+
+
+VLLM_COUNTS: dict[str, float] = {}  # engine label -> vllm:generation_tokens_total after the reference runs
+
+
+def vllm_counts(daemon) -> dict[str, float]:
+    """vLLM's own generated-token counter on ``/metrics``, per ``engine`` label."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(daemon.get("/metrics").text):
+        for s in fam.samples:
+            if s.name == "vllm:generation_tokens_total":
+                out[s.labels["engine"]] = out.get(s.labels["engine"], 0.0) + s.value
+    return out
+
+
+def test_vllm_metrics_count_every_replica_across_rebuilds(two):
+    """As ``vllm serve --data-parallel-size 2``: vLLM's metrics carry one ``engine`` label per
+    replica, both counted (each replica generated tokens for the reference runs), and a
+    replica rebuilt by the kills above goes on counting instead of starting again at 0."""
+    daemon, _, _ = two
+    assert set(VLLM_COUNTS) == {"0", "1"} and all(v > 0 for v in VLLM_COUNTS.values()), VLLM_COUNTS
+    now = vllm_counts(daemon)
+    assert set(now) == {"0", "1"}, now
+    assert all(now[k] >= VLLM_COUNTS[k] for k in now), (VLLM_COUNTS, now)
+
