@@ -121,6 +121,9 @@ class SupervisorSettings(_Section):
     probe_failure_threshold: int = Field(2, ge=1)
     replicas: int = Field(
         1, ge=1, le=64, description="engine replicas, each with its own workers; a failed one's streams move to the others")
+    routing: Literal["prefix", "least_streams"] = Field(
+        "prefix", description="with replicas: prefix sends a new request to the replica that served its prompt's prefix "
+                              "(its prefix cache) unless that one is loaded past a bound; least_streams: the fewest streams")
     standby: Literal["none", "warm"] = Field(
         "warm", description="warm: prepare the next generation's engine-core process and worker actors while this one serves")
     control_socket: str = Field("", description="Control socket path; empty = $RUNTIME_DIRECTORY/control.sock, else /tmp/vllm-supervisor-<port>.sock")

@@ -27,6 +27,7 @@ class EngineSpec:
     standby_namespace: str | None = None  # adopt standby workers from this Ray namespace
     use_forkserver: bool = False  # fork the engine core from the preloaded fork server
     step_clock: Any = None  # executor.steps.StepClock: stamped at every engine step
+    metrics_logger: Any = None  # with replicas: executor.replica_metrics' stand-in for vLLM's Prometheus logger
 
 
 def is_cpu_platform() -> bool:
@@ -76,7 +77,7 @@ def build_engine(spec: EngineSpec):
             enable_log_requests=engine_args.enable_log_requests,
             aggregate_engine_logging=engine_args.aggregate_engine_logging,
             disable_log_stats=engine_args.disable_log_stats,
-            stat_loggers=[spec.step_clock.factory()] if spec.step_clock is not None else None,
+            stat_loggers=[f for f in (spec.step_clock and spec.step_clock.factory(), spec.metrics_logger) if f] or None,
         )
 
 

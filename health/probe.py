@@ -5,15 +5,19 @@ engine took no step for ``hang_timeout_s`` (since the oldest stream began, so ne
 hide a hang) and still none ``CONFIRM_S`` later is hung (one ``EngineFailed``, no threshold). The clock is the engine's own steps
 (``executor.steps``): each chunk of a chunked prefill is one, so a long prompt is progress
 although no token comes out for a long time; an engine that reports no steps (vLLM's stats off)
-is judged by its tokens.
+is judged by its tokens. The idle canary is a stream too: a hung idle engine is found
+``hang_timeout_s`` after the canary that finds it was sent ("… with the idle canary running"),
+sooner than its timeout with the defaults. While the engines are held on purpose (vLLM's
+``pause_generation``, ``sleep``: ``/pause``, ``/sleep``) nothing is checked, and the wait of a
+stream is counted from the release.
 
 Every ``probe_interval_s`` while READY, for each serving replica: the engine says it errored; the
 Ray cluster does not answer a Ray call (a hung GCS: its port still accepts, so
 ``health.clusterwatch`` sees nothing; reported as ``ClusterLost``); or, idle for
 ``canary_interval_s``, a one-token canary slower than ``probe_timeout_s`` (an idle engine costs
 nothing between canaries: a canary step does not leave the workers spinning, ``executor.canary``;
-a request that finds a hung idle engine is a busy engine's case, found after ``hang_timeout_s``). ``probe_failure_threshold`` consecutive failures of a replica
-make one ``EngineFailed``.
+a request that finds a hung idle engine is a busy engine's case, found after ``hang_timeout_s``).
+``probe_failure_threshold`` consecutive failures of a replica make one ``EngineFailed``.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, Any
 
+from executor.canary import CANARY_PREFIX
 from supervisor import aio, logs
 from supervisor.events import ClusterLost, EngineFailed
 from supervisor.generation import Interrupted
@@ -36,19 +41,27 @@ STALL_CHECK_S = 0.5  # how often a busy engine's step clock is read (a float com
 CONFIRM_S = 0.2  # a stall is read again this much later before it is a hang
 
 
-def stalled(gen: Any, hang_timeout_s: float, now: float | None = None) -> str | None:
-    """Why a busy generation is hung (its streams waited ``hang_timeout_s`` on no engine step),
-    or None: idle, or still moving."""
+def stalled(gen: Any, hang_timeout_s: float, now: float | None = None, since: float = 0.0) -> str | None:
+    """Why a busy generation is hung (its streams waited ``hang_timeout_s`` on no engine step
+    since ``since``, when the engines were last released from a pause or sleep), or None:
+    idle, or still moving."""
     if not gen.pumps:
         return None
     now = time.monotonic() if now is None else now
     oldest = min(start for start, _ in gen.pumps.values())
-    waited = now - max(gen.last_progress(), oldest)
+    waited = now - max(gen.last_progress(), oldest, since)
     if waited <= hang_timeout_s:
         return None
     clock = "engine step" if gen.steps is not None and gen.steps.ticking else "token"
-    return (f"no {clock} for {waited:.1f} s with {len(gen.pumps)} stream(s) running "
+    running = (f"{len(gen.pumps)} stream(s) running" if any(not _is_canary(t) for t in gen.pumps)
+               else "the idle canary running")
+    return (f"no {clock} for {waited:.1f} s with {running} "
             f"(last token {now - max(gen.last_output_monotonic, oldest):.1f} s ago)")
+
+
+def _is_canary(task: Any) -> bool:
+    name = task.get_name() if hasattr(task, "get_name") else ""
+    return name.startswith(CANARY_PREFIX)
 
 
 class EngineProbe:
@@ -83,16 +96,19 @@ class EngineProbe:
             probe_now = time.monotonic() >= next_probe
             if probe_now:
                 next_probe = time.monotonic() + sup.cfg.probe_interval_s
+            client = sup.client
             for rep in sup.replicas:
-                if sup.state is not State.READY or not rep.serving():
-                    rep.probe_failures = 0  # a new generation starts with a clean slate
+                if sup.state is not State.READY or not rep.serving() or client.holds:
+                    # a new generation starts with a clean slate; a paused or sleeping engine
+                    # (vLLM's pause_generation / sleep) is still on purpose, and so is its canary
+                    rep.probe_failures = 0
                     continue
                 gen = rep.current
-                if stalled(gen, sup.cfg.hang_timeout_s) is not None:
+                if stalled(gen, sup.cfg.hang_timeout_s, since=client.released_monotonic) is not None:
                     # Once more after the loop ran a while: a daemon loop that was itself held up
                     # has step reports queued for it, which must be read before anything is hung.
                     await asyncio.sleep(CONFIRM_S)
-                    problem = stalled(gen, sup.cfg.hang_timeout_s)
+                    problem = None if client.holds else stalled(gen, sup.cfg.hang_timeout_s, since=client.released_monotonic)
                     if problem is not None and not gen.failed and gen is rep.current and sup.state is State.READY:
                         rep.probe_failures = 0  # the wait is itself the evidence: no threshold
                         log.warning("probe failed", problem=problem, replica=rep.index)

@@ -43,6 +43,7 @@ class EngineBuilder:
         self._shm_owned: dict[int, set[str]] = {}  # generation -> the rings its build made (until torn down)
         self._shm_at_build_start: set[str] | None = None  # while a build runs: the rings before it began
         self.predecessor_id = ""  # a crashed daemon's id whose Ray leftovers to remove (crashrecord)
+        self._replica_metrics: Any = None  # executor.replica_metrics.ReplicaMetrics, with replicas
 
     @property
     def world_size(self) -> int:
@@ -125,6 +126,17 @@ class EngineBuilder:
         log.info("placement group ready", replica=replica, bundles=self.world_size, device=device,
                  nodes=self.cluster.call("placement_group_nodes", pg), took_s=round(time.monotonic() - started, 3))
 
+    def _metrics_logger(self, replica: int) -> Any:
+        """With replicas: the stand-in through which replica ``replica``'s engine reports to the
+        one set of ``vllm:*`` metrics all replicas share (``executor.replica_metrics``)."""
+        if self.settings.supervisor.replicas < 2:
+            return None
+        if self._replica_metrics is None:
+            from executor.replica_metrics import ReplicaMetrics
+
+            self._replica_metrics = ReplicaMetrics(self.settings.supervisor.replicas)
+        return self._replica_metrics.factory(replica)
+
     def build(self, number: int, standby: dict[str, Any] | None = None, replica: int = 0) -> Generation:
         """Build generation ``number`` of ``replica``; ``standby`` (``Standby.claim``'s answer)
         says what it may adopt: the fork server for its engine core, standby workers from a
@@ -149,7 +161,7 @@ class EngineBuilder:
                     event_endpoint=self.event_endpoint, placement_group=self.placement_groups.get(replica),
                     kv_cache_space_gib=self.settings.engine.kv_cache_space_gib,
                     standby_namespace=standby.get("namespace"), use_forkserver=bool(standby.get("forkserver")),
-                    step_clock=steps,
+                    step_clock=steps, metrics_logger=self._metrics_logger(replica),
                 ))
                 self._shm_owned[number] = vllm_segments() - shm_before
             finally:

@@ -70,8 +70,8 @@ def parse_serve(argv: list[str]) -> tuple[Settings, argparse.Namespace]:
     elif ns.distributed_executor_backend != "mp":
         raise ServeArgsError(f"--distributed-executor-backend {ns.distributed_executor_backend}: "
                              "supervised backends are 'ray' (Ray V2 executor) and 'mp'")
+    data_parallel_as_replicas(settings, ns)
     for flag, dest, bad in (("--api-server-count", "api_server_count", lambda v: v not in (None, 1)),
-                            ("--data-parallel-size", "data_parallel_size", lambda v: v != 1),
                             ("--headless", "headless", bool), ("--grpc", "grpc", bool)):
         if bad(getattr(ns, dest, None)):
             raise ServeArgsError(f"{flag}: not supported under supervision (one API server, one engine)")
@@ -83,6 +83,41 @@ def parse_serve(argv: list[str]) -> tuple[Settings, argparse.Namespace]:
     except (TypeError, ValueError, KeyError) as exc:
         raise ServeArgsError(str(exc)) from None
     return settings, ns
+
+
+# vLLM's data-parallel flags that launch or address ranks across nodes: under supervision the
+# replicas' placement groups place the engines (Ray), so these have nothing to say.
+DP_LAUNCH_FLAGS = (("--data-parallel-rank", "data_parallel_rank"), ("--data-parallel-start-rank", "data_parallel_start_rank"),
+                   ("--data-parallel-address", "data_parallel_address"), ("--data-parallel-rpc-port", "data_parallel_rpc_port"),
+                   ("--data-parallel-hybrid-lb", "data_parallel_hybrid_lb"), ("--data-parallel-external-lb", "data_parallel_external_lb"))
+
+
+def data_parallel_as_replicas(settings: Settings, ns: argparse.Namespace) -> None:
+    """``--data-parallel-size N`` on a dense model is N supervised replicas (``--replicas N``):
+    vLLM's data parallelism without expert parallelism is N independent engines behind one
+    front, which is what replicas are, each restarted on its own. Each replica's engine is
+    then built with ``data_parallel_size = 1``. With ``--enable-expert-parallel`` the ranks
+    are one engine (each MoE layer's all-to-all spans them all), so one rank's failure stops
+    every rank: refused until that is supervised."""
+    n = getattr(ns, "data_parallel_size", 1) or 1
+    if n == 1:
+        return
+    if getattr(ns, "enable_expert_parallel", False):
+        raise ServeArgsError(f"--data-parallel-size {n} with --enable-expert-parallel: not supported under supervision "
+                             "(expert-parallel ranks are coupled: every MoE layer's all-to-all spans them all, so they "
+                             "fail and restart together). Without expert parallelism each rank is a replica of its own.")
+    for flag, dest in DP_LAUNCH_FLAGS:
+        if getattr(ns, dest, None) not in (None, False):
+            raise ServeArgsError(f"{flag}: not used under supervision (--data-parallel-size {n} runs {n} supervised "
+                                 "replicas, placed by Ray's placement groups on the cluster)")
+    local = getattr(ns, "data_parallel_size_local", None)
+    if local not in (None, n):
+        raise ServeArgsError(f"--data-parallel-size-local {local}: under supervision all {n} replicas are placed by Ray")
+    if settings.supervisor.replicas not in (1, n):
+        raise ServeArgsError(f"--data-parallel-size {n} and supervisor.replicas = {settings.supervisor.replicas}: "
+                             "the same setting twice (data parallelism on a dense model is replicas); give one")
+    settings.supervisor.replicas = n
+    ns.data_parallel_size, ns.data_parallel_size_local = 1, None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -43,6 +43,7 @@ from supervisor.events import (
 from supervisor.generation import EngineUnavailable, Generation, RequestFailed  # noqa: F401 (re-exported)
 from supervisor.policy import RestartIntensity
 from supervisor.replica import pick
+from supervisor.routing import PrefixRouter
 from supervisor.standby import Standby
 from supervisor.operations import Operations
 from supervisor.recovery import EXIT_FAILED, EXIT_OK, EXIT_RAY_LOST, Lifecycle
@@ -82,6 +83,8 @@ class Supervisor(Lifecycle, Operations):
                                and not getattr(self.builder, "compiled_graph", False))
         if self.cfg.standby == "warm" and self.cfg.replicas > 1:
             log.info("standby off: with replicas, the serving ones take a failed one's streams", replicas=self.cfg.replicas)
+        # where each new request goes between replicas (with one there is no choice to make)
+        self.router = PrefixRouter() if self.cfg.routing == "prefix" and self.cfg.replicas > 1 else None
         self.started_monotonic = time.monotonic()
         self.exit_code = EXIT_OK
         self.intensity = RestartIntensity(self.cfg.max_restarts, self.cfg.restart_window_s)
@@ -111,12 +114,14 @@ class Supervisor(Lifecycle, Operations):
     def served_model_name(self) -> str:
         return self.builder.served_model_name
 
-    def pick(self, not_gen: Generation | None = None, parked: bool = False) -> Generation | None:
-        """The generation a request goes to now (``supervisor.replica.pick``), other than
-        ``not_gen``, built for the engine arguments the front serves (a rolling reload); None
-        unless READY (or DRAINING, for a parked request: it was admitted before the drain)."""
+    def pick(self, not_gen: Generation | None = None, parked: bool = False,
+             token_ids: Any = None) -> Generation | None:
+        """The generation a request (of prompt ``token_ids``, when known) goes to now
+        (``supervisor.replica.pick``), other than ``not_gen``, built for the engine arguments the
+        front serves (a rolling reload); None unless READY (or DRAINING, for a parked request:
+        it was admitted before the drain)."""
         if self.state is State.READY or (parked and self.state is State.DRAINING):
-            return pick(self.replicas, not_gen, self.client.epoch)
+            return pick(self.replicas, not_gen, self.client.epoch, self.router, token_ids)
         return None
 
     def serving(self, not_gen: Generation | None = None) -> bool:
@@ -268,6 +273,7 @@ class Supervisor(Lifecycle, Operations):
             "reason": self.machine.reason,
             "generation": self.generation_number,
             "replicas": [r.status() for r in self.replicas],
+            "routing": self.router.status() if self.router is not None else {"policy": "least_streams"},
             "in_flight": c.in_flight,
             "parked": c.parked,
             "admission_queue": c.waiting_new,

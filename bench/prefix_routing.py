@@ -1,0 +1,150 @@
+"""Prefix-aware routing vs least streams, on 2 replicas, under a multi-turn chat load.
+
+``--conversations`` chats (32) of ``--turns`` turns (6) each, over ``--system-prompts`` shared
+system prompts (4), ``--concurrency`` conversations at a time (8); each turn sends the whole
+history (system prompt, earlier turns and the model's own replies) through the openai SDK,
+streamed, greedy, ``--max-tokens`` tokens. The daemon runs ``--data-parallel-size 2`` (two
+replicas) on a Ray head with ``--enable-prompt-tokens-details``, once per routing policy, the
+policies alternating for ``--rounds`` rounds. Per policy: the prefix-cache hit rate (prompt
+tokens the engines found cached, from each response's ``usage.prompt_tokens_details``: vLLM's
+own count per request, over all requests) and the time to first token p50 / p99.
+
+    python -m bench.prefix_routing --out bench/results
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import openai
+
+from bench.common import MODEL_NAME, base_parser
+from chaos import inject
+from chaos.harness import OPERATOR_ENV, Daemon, RayHead
+
+WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
+         "quebec romeo sierra tango uniform victor whiskey xray yankee zulu river stone cloud ember").split()
+
+
+def text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+async def conversation(client: openai.AsyncOpenAI, system: str, seed: int, args) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    messages = [{"role": "system", "content": system}]
+    out = []
+    for _ in range(args.turns):
+        messages.append({"role": "user", "content": text(rng, args.user_words)})
+        started = time.monotonic()
+        first = None
+        reply = []
+        usage = None
+        stream = await client.chat.completions.create(
+            model=MODEL_NAME, messages=messages, max_tokens=args.max_tokens, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                if first is None:
+                    first = time.monotonic() - started
+                reply.append(chunk.choices[0].delta.content)
+            if chunk.usage is not None:
+                usage = chunk.usage
+        details = getattr(usage, "prompt_tokens_details", None)
+        out.append({"ttft_s": first, "prompt_tokens": usage.prompt_tokens,
+                    "cached_tokens": (details.cached_tokens or 0) if details else None})
+        messages.append({"role": "assistant", "content": "".join(reply)})
+    return out
+
+
+async def workload(base_url: str, args) -> list[dict[str, Any]]:
+    client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    systems = [text(random.Random(1000 + s), args.system_words) for s in range(args.system_prompts)]
+    gate = asyncio.Semaphore(args.concurrency)
+
+    async def one(i: int) -> list[dict[str, Any]]:
+        async with gate:
+            return await conversation(client, systems[i % len(systems)], i, args)
+
+    results = await asyncio.gather(*(one(i) for i in range(args.conversations)))
+    await client.close()
+    return [r for conv in results for r in conv]
+
+
+def run_policy(work: Path, head: RayHead, policy: str, args) -> dict[str, Any]:
+    config = {"engine": {"max_model_len": 1024}, "ray": {"address": head.address},
+              "supervisor": {"routing": policy}}
+    flags = ("--data-parallel-size", "2", "--enable-prompt-tokens-details", "--disable-uvicorn-access-log")
+    with Daemon(work, config, env=OPERATOR_ENV, args=flags).start() as daemon:
+        daemon.wait_ready()
+        daemon.wait_replicas_serving()
+        started = time.monotonic()
+        requests = asyncio.run(workload(daemon.base_url, args))
+        took = time.monotonic() - started
+        status = daemon.status()
+        code, _ = daemon.stop()
+        assert code == 0, daemon.tail()
+    ttft = sorted(r["ttft_s"] for r in requests if r["ttft_s"] is not None)
+    prompt = sum(r["prompt_tokens"] for r in requests)
+    cached = sum(r["cached_tokens"] or 0 for r in requests)
+    return {"policy": policy, "requests": len(requests), "took_s": round(took, 1), "prompt_tokens": prompt,
+            "cached_tokens": cached, "hit_rate": cached / prompt if prompt else 0.0,
+            "ttft_p50_ms": 1000 * statistics.median(ttft), "ttft_p99_ms": 1000 * ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
+            "routing": status.get("routing"),
+            "details_missing": sum(r["cached_tokens"] is None for r in requests)}
+
+
+def main() -> int:
+    parser = base_parser(__doc__)
+    parser.add_argument("--conversations", type=int, default=32)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--system-prompts", type=int, default=4)
+    parser.add_argument("--system-words", type=int, default=60)
+    parser.add_argument("--user-words", type=int, default=12)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    head = RayHead(num_cpus=2).start()
+    rows: list[dict[str, Any]] = []
+    try:
+        with tempfile.TemporaryDirectory(prefix="prefix-routing-") as tmp:
+            for r in range(args.rounds):
+                for policy in ("least_streams", "prefix"):
+                    work = Path(tmp) / f"{policy}-{r}"
+                    work.mkdir()
+                    row = run_policy(work, head, policy, args) | {"round": r + 1}
+                    print(row, flush=True)
+                    rows.append(row)
+    finally:
+        inject.disconnect()
+        head.stop()
+    lines = [f"# Prefix-aware routing vs least streams ({time.strftime('%Y-%m-%d')}; 2 replicas of the demo model, "
+             f"TP=1 each, one Ray head, 2 cores; {args.conversations} conversations × {args.turns} turns over "
+             f"{args.system_prompts} system prompts, {args.concurrency} at a time, {args.max_tokens} tokens per reply)", "",
+             "| round | routing | requests | prompt tokens found cached (hit rate) | TTFT p50 (ms) | TTFT p99 (ms) | took (s) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for row in rows:
+        lines.append(f"| {row['round']} | {row['policy']} | {row['requests']} | {row['cached_tokens']} / {row['prompt_tokens']} "
+                     f"({100 * row['hit_rate']:.1f} %) | {row['ttft_p50_ms']:.1f} | {row['ttft_p99_ms']:.1f} | {row['took_s']} |")
+    for policy in ("least_streams", "prefix"):
+        mine = [r for r in rows if r["policy"] == policy]
+        lines.append(f"\n{policy}: hit rate median {100 * statistics.median(r['hit_rate'] for r in mine):.1f} %, "
+                     f"TTFT p50 median {statistics.median(r['ttft_p50_ms'] for r in mine):.1f} ms")
+    text_out = "\n".join(lines) + "\n"
+    (args.out / "prefix-routing.md").write_text(text_out)
+    (args.out / "prefix-routing.json").write_text(json.dumps(rows, indent=2) + "\n")
+    print(text_out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,84 @@
+"""Prefix-aware routing between replicas (``supervisor.routing``): the logic, on fake
+generations. The real daemon's routing under a multi-turn chat load is ``bench.prefix_routing``."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from supervisor.replica import Replica, pick
+from supervisor.routing import BLOCK, MAX_BLOCKS, PrefixRouter, block_hashes
+
+
+def gen(number, streams=0, failed=False, epoch=0):
+    return SimpleNamespace(number=number, pumps=dict.fromkeys(range(streams)), failed=failed, epoch=epoch)
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    return [(seed * 7919 + i * 31) % 500 for i in range(n)]
+
+
+def test_block_hashes_name_prefixes():
+    system = tokens(1, 3 * BLOCK)
+    a, b = block_hashes(system + tokens(2, BLOCK + 5)), block_hashes(system + tokens(3, BLOCK))
+    assert len(a) == 4 and len(b) == 4  # full blocks only: the 5 tokens after the 4th are not hashed
+    assert a[:3] == b[:3] and a[3] != b[3]  # the same system prompt, different user turns
+    assert block_hashes(tokens(1, BLOCK - 1)) == []
+    assert block_hashes([9] + system[1:])[0] != block_hashes(system)[0]
+    assert len(block_hashes(tokens(4, (MAX_BLOCKS + 10) * BLOCK))) == MAX_BLOCKS
+
+
+def test_a_conversation_stays_where_its_prefix_is():
+    router = PrefixRouter()
+    a, b = Replica(0, gen(1)), Replica(1, gen(2))
+    turn = tokens(5, 4 * BLOCK)
+    first = pick([a, b], router=router, token_ids=turn)
+    assert first is a.current  # no match yet: least streams, then the lowest index
+    other = b if first is a.current else a
+    for _ in range(3):  # each turn extends the last one's prompt; the other replica is idler by up to SLACK
+        first.pumps[object()] = None
+        turn = turn + tokens(len(turn), 2 * BLOCK)
+        assert len(first.pumps) - len(other.current.pumps) <= router.slack
+        assert pick([a, b], router=router, token_ids=turn) is first
+    assert router.status() == {"policy": "prefix", "routed": 4, "to_prefix": 3, "blocks": len(block_hashes(turn))}
+
+
+def test_a_loaded_replica_gives_way_and_the_prefix_follows():
+    router = PrefixRouter(slack=2)
+    a, b = Replica(0, gen(1)), Replica(1, gen(2))
+    prompt = tokens(6, 8 * BLOCK)
+    assert pick([a, b], router=router, token_ids=prompt) is a.current
+    a.current.pumps.update(dict.fromkeys(range(3)))  # 3 streams above b: past the bound
+    assert pick([a, b], router=router, token_ids=prompt) is b.current
+    a.current.pumps.clear()
+    assert pick([a, b], router=router, token_ids=prompt) is b.current  # b served it last
+
+
+def test_new_prefixes_spread_by_load():
+    router = PrefixRouter()
+    a, b = Replica(0, gen(1)), Replica(1, gen(2))
+    sent = []
+    for seed in range(6):  # six conversations with system prompts of their own
+        g = pick([a, b], router=router, token_ids=tokens(100 + seed, 4 * BLOCK))
+        g.pumps[object()] = None
+        sent.append(g.number)
+    assert sent.count(1) == sent.count(2) == 3
+
+
+def test_a_rebuilt_or_excluded_generation_does_not_match():
+    router = PrefixRouter()
+    a, b = Replica(0, gen(1)), Replica(1, gen(2, streams=1))
+    prompt = tokens(7, 4 * BLOCK)
+    assert pick([a, b], router=router, token_ids=prompt) is a.current
+    a.current = gen(3, streams=2)  # replica 0 rebuilt: an empty cache under a new number
+    assert pick([a, b], router=router, token_ids=prompt) is b.current  # no match: least streams
+    assert pick([a, b], not_gen=b.current, router=router, token_ids=prompt) is a.current  # a continuation
+    assert pick([a], router=router, token_ids=prompt) is a.current  # one candidate: no choice
+    assert pick([Replica(0, gen(4, failed=True))], router=router, token_ids=prompt) is None
+
+
+def test_memory_is_bounded():
+    router = PrefixRouter(capacity=10)
+    a, b = Replica(0, gen(1)), Replica(1, gen(2))
+    for seed in range(20):
+        pick([a, b], router=router, token_ids=tokens(seed, 4 * BLOCK))
+    assert router.status()["blocks"] == 10
