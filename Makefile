@@ -59,7 +59,7 @@ chaos: extended
 	VLLM_SUPERVISOR_FUZZ_S=$(FUZZ_S) $(PY) -m pytest -q -s fuzz/test_schemathesis.py
 
 # Benchmarks (tens of minutes): serving overhead vs vllm serve (at a fixed rate and at saturation), recovery vs cold start and
-# process restart, 1 vs 2 replicas under load (live migration), idle workers per Ray executor, the whole tree idle (vs vllm serve), hang detection on a long prefill, and a 50-fault soak with trend plot. Results: bench/results/.
+# process restart, 1 vs 2 replicas under load (live migration), prefix-aware routing vs least streams, idle workers per Ray executor, the whole tree idle (vs vllm serve), hang detection on a long prefill, and a 50-fault soak with trend plot. Results: bench/results/.
 bench: venv
 	$(PY) -m pip install --quiet $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e ".[$(FLAVOR),test,bench]"
 	$(PY) -m pip uninstall --yes --quiet torchvision torchaudio torchcodec supervisor 2>/dev/null || true
@@ -67,6 +67,7 @@ bench: venv
 	$(PY) -m bench.serving_overhead --saturation --rounds 3
 	$(PY) -m bench.recovery --tp 1 2 --kills 5 --anchors 2
 	$(PY) -m bench.migration --clients 16 --tokens 200 --kills 2
+	$(PY) -m bench.prefix_routing
 	$(PY) -m bench.executor_idle --tp 2 --window-s 20
 	$(PY) -m bench.steady_state --tp 1 2 --window-s 20
 	$(PY) -m bench.hang_detection
