@@ -81,13 +81,15 @@ def main() -> int:
     parser.add_argument("--max-concurrency", type=int)
     parser.add_argument("--input-len", type=int)
     parser.add_argument("--output-len", type=int)
+    parser.add_argument("--kinds", nargs="+", choices=list(LABELS), help="servers, in this order each round (vllm_serve first)")
     args = parser.parse_args()
     defaults = ({"num_prompts": 400, "rate": float("inf"), "max_concurrency": 8, "input_len": 32, "output_len": 64}
                 if args.saturation else {"num_prompts": 64, "rate": 16.0, "max_concurrency": None, "input_len": 64, "output_len": 64})
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    kinds = ["vllm_serve", "daemon", "daemon_standby_none"] if args.saturation else ["vllm_serve", "daemon"]
+    kinds = args.kinds or (["vllm_serve", "daemon", "daemon_standby_none"] if args.saturation else ["vllm_serve", "daemon"])
+    assert kinds[0] == "vllm_serve", "vllm serve is the baseline: name it first"
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
     head = RayHead(num_cpus=2).start()
