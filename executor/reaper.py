@@ -51,45 +51,6 @@ def process_table() -> dict[int, tuple[int, int]]:
     return table
 
 
-def _stat(pid: int) -> tuple[int, int] | None:
-    """``(ppid, start time)`` of a live process (None: gone or a zombie)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            fields = fh.read().rsplit(b")", 1)[1].split()
-    except OSError:
-        return None
-    return None if fields[0] in (b"Z", b"X") else (int(fields[1]), int(fields[19]))
-
-
-def subtree_table(root: int) -> dict[int, tuple[int, int]] | None:
-    """``pid -> (ppid, start time)`` of ``root``'s live descendants, read from the kernel's
-    per-thread ``children`` lists: a few files for the daemon's ≈ 15 processes instead of
-    every ``/proc/<pid>/stat`` of the machine twice a second (measured: the full scan was the
-    reaper's 0.6 % of a core while the daemon idles). None where the kernel has no such lists
-    (``CONFIG_PROC_CHILDREN``): then ``process_table``."""
-    if not os.path.exists(f"/proc/self/task/{os.getpid()}/children"):
-        return None
-    table: dict[int, tuple[int, int]] = {}
-    todo = [root]
-    while todo:
-        pid = todo.pop()
-        try:
-            tids = os.listdir(f"/proc/{pid}/task")
-        except OSError:
-            continue
-        for tid in tids:
-            try:
-                with open(f"/proc/{pid}/task/{tid}/children", "rb") as fh:
-                    kids = [int(c) for c in fh.read().split()]
-            except (OSError, ValueError):
-                continue
-            for kid in kids:
-                if kid not in table and (st := _stat(kid)) is not None:
-                    table[kid] = st
-                    todo.append(kid)
-    return table
-
-
 def start_time(pid: int) -> int | None:
     """Start time of a live process (None: gone or a zombie)."""
     try:
@@ -215,12 +176,10 @@ def watch(daemon_pid: int, daemon_start: int, pids_file: Path | None, stream=Non
     clean = False
     me = os.getpid()
     while True:
-        table = subtree_table(daemon_pid)
-        table = process_table() if table is None else table
-        now = descendants(daemon_pid, table) - {(me, start_time(me))}
+        table = process_table()
+        now = descendants(daemon_pid, table) - {(me, table.get(me, (0, 0))[1])}
         if now - seen:
-            # keep what still runs (an orphan of a dead parent is no descendant any more)
-            seen = {p for p in seen if start_time(p[0]) == p[1]} | now
+            seen = {p for p in seen if table.get(p[0], (0, None))[1] == p[1]} | now
             write_pids(pids_file, seen)
         ready, _, _ = select.select([stream], [], [], SNAPSHOT_S)
         if ready:
