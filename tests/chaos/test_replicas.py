@@ -229,6 +229,7 @@ def test_kill_one_replica_streams_move_to_the_other(two, ray_head, index, via):
           f"max {gaps[-1]:.2f} s; replica rebuilt in {rec['total_s']:.1f} s")
 
 
+@pytest.mark.extended  # a second fault on the same daemon (65 s): the default tier proves one kill of a replica
 def test_both_replicas_killed_streams_wait_for_the_first_back(two, ray_head):
     daemon, ref, _ = two
     before = {r["replica"]: r["generation"] for r in daemon.wait_replicas_serving()}
