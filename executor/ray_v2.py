@@ -114,7 +114,7 @@ class SupervisedRayExecutor(DeathReporter, _v2.RayExecutorV2):
         """The standby named ``options["name"]``, adopted with ``init_kwargs``; None when
         there is none or it cannot be adopted (vLLM then creates the actor)."""
         from executor.cluster import kill_handles
-        from executor.standby import CLAIM_PREFIX, claim_bundle
+        from executor.standby import CLAIM_PREFIX, bundle_node, claim_bundle
 
         name = options["name"]
         try:
@@ -123,15 +123,15 @@ class SupervisedRayExecutor(DeathReporter, _v2.RayExecutorV2):
             logger.warning("no standby %s: creating the worker", name)
             return None
         strategy = options["scheduling_strategy"]
-        placement = (strategy.placement_group.id.hex(), strategy.placement_group_bundle_index)
         claim, claimed_ids = None, None
         try:
+            node_id = bundle_node(strategy.placement_group, strategy.placement_group_bundle_index)
             if not current_platform.is_cpu():  # hold the bundle's device for the adopted worker
                 resources = {k: v for k, v in _v2.RayExecutorV2._get_actor_resource_kwargs().items()
                              if k in ("num_gpus", "resources")}
                 claim, ids = claim_bundle(strategy, name.replace("vllm_Worker_", CLAIM_PREFIX, 1), resources)
                 claimed_ids = list(ids)  # Ray's ids as strings (they may be UUIDs)
-            pid = ray.get(handle.adopt.remote(placement, claimed_ids, **init_kwargs))
+            pid = ray.get(handle.adopt.remote(node_id, claimed_ids, **init_kwargs))
         except Exception as exc:
             logger.warning("standby %s not adopted (%s): creating the worker", name, exc)
             kill_handles([h for h in (handle, claim) if h is not None])

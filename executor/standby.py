@@ -6,9 +6,11 @@ fault by the supervisor (its owner, so it dies with the daemon):
 
 * named exactly as vLLM's executor will name the worker of that rank in the next
   generation (``vllm_Worker_<daemon>-g<N+1>_TP<r>``), in the supervisor's namespace;
-* scheduled into the bundle that rank will use, holding **no** resources (``num_cpus=0``,
-  ``num_gpus=0``): it never takes a bundle from the serving generation, touches no device,
-  and on a GPU host holds no device memory;
+* scheduled on the node of the bundle that rank uses in the placement group it is made
+  from (node affinity, not the group itself: with replicas, any replica's next build may
+  adopt it, and it must not die with one replica's group), holding **no** resources
+  (``num_cpus=0``, ``num_gpus=0``): it never takes a bundle from the serving generation,
+  touches no device, and on a GPU host holds no device memory;
 * with vLLM's worker, model runner and the model's module imported, then idle.
 
 vLLM's ``RayWorkerProc`` already splits its start in two: a light ``__init__`` that keeps
@@ -44,17 +46,17 @@ CLAIM_PREFIX = "vllm_Claim_"
 
 
 class StandbyMismatch(RuntimeError):
-    """The standby was placed for another placement group or bundle than the executor's."""
+    """The standby runs on another node than the bundle the executor gives its rank."""
 
 
 class StandbyRayWorkerProc(SupervisedRayWorkerProc):
     """A worker actor with vLLM imported and no engine yet."""
 
-    def __init__(self, placement: tuple[str, int], preload: list[str]):  # noqa: D107 (deferred)
+    def __init__(self, preload: list[str]):  # noqa: D107 (deferred)
         started = time.monotonic()
         for module in preload:
             importlib.import_module(module)
-        self._placement = tuple(placement)
+        self._node_id = ray.get_runtime_context().get_node_id()
         self._claimed_ids: list[str] | None = None
         self._adopted = False
         self._preload_s = time.monotonic() - started
@@ -62,12 +64,13 @@ class StandbyRayWorkerProc(SupervisedRayWorkerProc):
     def standby_info(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "preload_s": self._preload_s, "adopted": self._adopted}
 
-    def adopt(self, placement: tuple[str, int], claimed_ids: list[str] | None, **init_kwargs: Any) -> int:
-        """Become the worker vLLM's executor would have created with ``init_kwargs``."""
+    def adopt(self, node_id: str, claimed_ids: list[str] | None, **init_kwargs: Any) -> int:
+        """Become the worker vLLM's executor would have created with ``init_kwargs`` on the
+        node ``node_id`` (its bundle's)."""
         if self._adopted:
             raise StandbyMismatch("this standby was adopted already")
-        if tuple(placement) != self._placement:
-            raise StandbyMismatch(f"standby placed at {self._placement}, executor wants {tuple(placement)}")
+        if node_id != self._node_id:
+            raise StandbyMismatch(f"standby runs on node {self._node_id[:12]}, its rank's bundle is on {node_id[:12]}")
         self._adopted = True
         self._claimed_ids = claimed_ids
         SupervisedRayWorkerProc.__init__(self, **init_kwargs)
@@ -120,10 +123,10 @@ def runtime_env_for(vllm_config: Any) -> dict:
 
 
 def create_standby_workers(vllm_config: Any, placement_group: Any, instance_id: str, namespace: str) -> list[dict]:
-    """Create one standby per rank of the engine ``vllm_config`` describes, in the bundle the
-    executor will give that rank. Returns ``{"rank", "name", "actor_id", "bundle"}`` per
-    rank; does not wait for them to finish importing."""
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    """Create one standby per rank of the engine ``vllm_config`` describes, on the node of the
+    bundle the executor gives that rank in ``placement_group``. Returns ``{"rank", "name",
+    "actor_id", "bundle", "node_id"}`` per rank; does not wait for them to finish importing."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
     from vllm.v1.executor.ray_utils import build_actor_name, get_bundles_sorted_by_node
 
     _ensure_device_key()
@@ -132,17 +135,23 @@ def create_standby_workers(vllm_config: Any, placement_group: Any, instance_id: 
     pcp = getattr(pc, "prefill_context_parallel_size", 1)
     runtime_env = runtime_env_for(vllm_config)
     preload = preload_modules(vllm_config)
-    pg_id = placement_group.id.hex()
     out = []
-    for rank, (bundle, _node_id, _ip) in enumerate(get_bundles_sorted_by_node(placement_group)[: pc.world_size]):
+    for rank, (bundle, node_id, _ip) in enumerate(get_bundles_sorted_by_node(placement_group)[: pc.world_size]):
         name = build_actor_name(instance_id, rank, tp, pp, pcp)
         actor = ray.remote(StandbyRayWorkerProc).options(
             name=name, namespace=namespace, num_cpus=0, num_gpus=0, runtime_env=runtime_env,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=placement_group,
-                                                                 placement_group_bundle_index=bundle),
-        ).remote((pg_id, bundle), preload)
-        out.append({"rank": rank, "name": name, "actor_id": actor._actor_id.hex(), "bundle": bundle, "handle": actor})
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
+        ).remote(preload)
+        out.append({"rank": rank, "name": name, "actor_id": actor._actor_id.hex(), "bundle": bundle,
+                    "node_id": node_id, "handle": actor})
     return out
+
+
+def bundle_node(placement_group: Any, bundle_index: int) -> str:
+    """The id of the node ``placement_group``'s bundle ``bundle_index`` is placed on."""
+    from ray.util.placement_group import placement_group_table
+
+    return placement_group_table(placement_group)["bundles_to_node_id"][bundle_index]
 
 
 def actor_state(actor_id: str) -> dict:

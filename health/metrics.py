@@ -62,6 +62,10 @@ class SupervisorMetrics:
         self.registry = r = registry if registry is not None else supervisor_registry()
         self.state = Gauge(p + "state", "1 for the daemon's current lifecycle state, else 0", ["state"], registry=r)
         self.replica_up = Gauge(p + "replica_up", "1 while this engine replica serves", ["replica"], registry=r)
+        self.replica_budget_spent = Gauge(
+            p + "replica_restart_budget_spent",
+            "1 while this replica's restart budget is spent and it waits to retry (the others serve)", ["replica"],
+            registry=r)
         self.generation = Gauge(p + "engine_generation", "Number of the engine generation this replica serves (0: none)",
                                 ["replica"], registry=r)
         self.worker_up = Gauge(p + "worker_up", "1 while the worker actor of this rank serves", ["replica", "rank"], registry=r)
@@ -101,6 +105,7 @@ class SupervisorMetrics:
         """Create every per-replica series of replicas 0..n-1."""
         for i in map(str, range(n)):
             self.replica_up.labels(i).set(0)
+            self.replica_budget_spent.labels(i).set(0)
             self.generation.labels(i).set(0)
             self.recovery_duration.labels(i)
             self.probe_latency.labels(i)

@@ -198,10 +198,10 @@ class EngineBuilder:
 
         forkserver.stop()
 
-    def create_standby(self, number: int, vllm_config: Any) -> list[dict[str, Any]]:
-        # Only into the placement group the serving generation holds: re-creating a lost one is
-        # the recovery's job (two threads doing it would leak one). (One replica only.)
-        pg = self.placement_groups.get(0)
+    def create_standby(self, number: int, vllm_config: Any, replica: int = 0) -> list[dict[str, Any]]:
+        # On the nodes of a placement group a serving generation holds: re-creating a lost one
+        # is the recovery's job (two threads doing it would leak one).
+        pg = self.placement_groups.get(replica)
         if pg is None or not self.cluster.call("placement_group_ready", pg):
             raise RuntimeError("the placement group is not ready; the next recovery re-creates it")
         return self.cluster.call("create_standby", vllm_config, pg, self.instance_id(number), self.standby_namespace)

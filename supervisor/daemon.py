@@ -77,17 +77,14 @@ class Supervisor(Lifecycle, Operations):
         self.front: Any = None  # supervisor.http.Front, when one serves this daemon
         self.probe = EngineProbe(self)
         self.clusterwatch = ClusterWatch(self)
-        # The standby prepares one next generation; with replicas, the others take the streams instead.
-        # Its workers are the V2 executor's: the compiled-graph executor cannot adopt them.
-        self.standby = Standby(self.builder, self.metrics, enabled=self.cfg.standby == "warm" and self.cfg.replicas == 1
+        # The standby prepares one next generation, for whichever replica fails first. Its workers
+        # are the V2 executor's: the compiled-graph executor cannot adopt them.
+        self.standby = Standby(self.builder, self.metrics, enabled=self.cfg.standby == "warm"
                                and not getattr(self.builder, "compiled_graph", False))
-        if self.cfg.standby == "warm" and self.cfg.replicas > 1:
-            log.info("standby off: with replicas, the serving ones take a failed one's streams", replicas=self.cfg.replicas)
         # where each new request goes between replicas (with one there is no choice to make)
         self.router = PrefixRouter() if self.cfg.routing == "prefix" and self.cfg.replicas > 1 else None
         self.started_monotonic = time.monotonic()
         self.exit_code = EXIT_OK
-        self.intensity = RestartIntensity(self.cfg.max_restarts, self.cfg.restart_window_s)
         self.restarts: Counter[str] = Counter()
         self.outcomes: Counter[str] = Counter()
         c = self.client

@@ -83,7 +83,8 @@ class Operations:
         self.config_error = ""
         old, old_args = self.settings, self.engine_args
         self.settings, self.cfg = new, new.supervisor
-        self.intensity.max_restarts, self.intensity.window_s = self.cfg.max_restarts, self.cfg.restart_window_s
+        for rep in self.replicas:
+            rep.intensity.max_restarts, rep.intensity.window_s = self.cfg.max_restarts, self.cfg.restart_window_s
         self.api_keys = [k for k in (new_args.api_key or []) if k]  # read per request: applies at once
         if not new_args.model:  # the demo model: already built
             new_args.model, new_args.served_model_name = old_args.model, old_args.served_model_name

@@ -19,12 +19,26 @@ class RestartIntensity:
     _times: deque[float] = field(default_factory=deque)
 
     def record(self) -> bool:
-        """Count one restart now; return False when the budget is exhausted."""
-        now = self.clock()
+        """Count one restart now; False (and nothing counted) when the budget is exhausted."""
+        now = self._prune()
+        if len(self._times) >= self.max_restarts:
+            return False
         self._times.append(now)
+        return True
+
+    def free_in(self) -> float:
+        """Seconds until one more restart fits in the budget (0: now)."""
+        now = self._prune()
+        excess = len(self._times) - self.max_restarts
+        if excess < 0:
+            return 0.0
+        return max(0.0, self._times[excess] + self.window_s - now) + 0.001
+
+    def _prune(self) -> float:
+        now = self.clock()
         while self._times and now - self._times[0] > self.window_s:
             self._times.popleft()
-        return len(self._times) <= self.max_restarts
+        return now
 
     @property
     def recent(self) -> int:

@@ -24,7 +24,7 @@ from supervisor import aio, logs
 from health.clusterwatch import SEEN_LATE_S, listening, split_address
 from supervisor.events import ClusterLost, EngineFailed, RecoveryFinished, StopFinished
 from supervisor.generation import Generation
-from supervisor.policy import backoff_s
+from supervisor.policy import RestartIntensity, backoff_s
 from supervisor.replica import Replica, building, replica_of
 from supervisor.states import State
 
@@ -37,7 +37,8 @@ EXIT_RAY_LOST = 75  # EX_TEMPFAIL: the Ray cluster was lost and did not come bac
 
 class Lifecycle:
     def __init__(self, replicas: int = 1) -> None:
-        self.replicas = [Replica(i) for i in range(replicas)]
+        self.replicas = [Replica(i, intensity=RestartIntensity(self.cfg.max_restarts, self.cfg.restart_window_s))
+                         for i in range(replicas)]
         self._doomed: set[int] = set()  # generations that failed while being built
         self.next_generation = 1
         self.recoveries: list[dict[str, Any]] = []
@@ -265,21 +266,30 @@ class Lifecycle:
                 phases["ray_reconnect"] = phases.get("ray_reconnect", 0.0) + time.monotonic() - t
                 if not ok or self.state is State.STOPPING:
                     return ok, detail
-            if (not first or attempt > 0) and not self.intensity.record():
-                return False, (f"restart intensity exceeded: more than {self.cfg.max_restarts} restarts "
-                               f"in {self.cfg.restart_window_s:g} s")
+            if (not first or attempt > 0) and not rep.intensity.record():
+                spent = f"restart intensity exceeded: more than {self.cfg.max_restarts} restarts in {self.cfg.restart_window_s:g} s"
+                if len(self.replicas) == 1:
+                    return False, spent
+                if not await self._wait_for_budget(rep, spent):
+                    return False, f"replica {rep.index}: {spent}, and no other replica serves"
+                continue  # stopping, or the budget has room again
             delay = backoff_s(attempt, self.cfg.restart_backoff_initial_s, self.cfg.restart_backoff_max_s)
             if delay:
                 await asyncio.sleep(delay)
             attempt += 1
-            number = rep.building = self.next_generation
-            self.next_generation += 1
+            number = None
             try:
                 t = time.monotonic()
                 await asyncio.to_thread(self.builder.ensure_placement_group, rep.index)
                 phases["placement_group"] = time.monotonic() - t
                 if self._reattach:  # made for the engine arguments a reload just replaced
                     await self.standby.discard("engine arguments changed")
+                # The first build placed takes the standby's (reserved) number, whichever replica
+                # it is for; no await between taking a number and claiming the standby.
+                number = self.standby.reserved()
+                if number is None:
+                    number, self.next_generation = self.next_generation, self.next_generation + 1
+                rep.building = number
                 claim = await self.standby.claim(number)
                 t = time.monotonic()
                 gen = await asyncio.to_thread(self.builder.build, number, claim, rep.index)
@@ -294,13 +304,15 @@ class Lifecycle:
                     self._reattach = False
             except Exception as exc:
                 rep.building = None
-                self.standby.build_failed()
+                rep.last_error = f"{type(exc).__name__}: {exc}"[:300]
                 self._count_restart("build_failed", rep)
                 log.error("engine build failed", failed_generation=number, replica=rep.index,
                           error=f"{type(exc).__name__}: {exc}"[:500])
                 if type(exc).__name__ == "PlacementGroupTimeout" and self.state is State.RECOVERING:
                     self.machine.transition(State.RECOVERING, f"waiting for capacity: {exc}")
-                await asyncio.to_thread(self.builder.cleanup_failed_build, number)
+                if number is not None:  # not placed: no number taken, nothing built
+                    self.standby.build_failed(number)
+                    await asyncio.to_thread(self.builder.cleanup_failed_build, number)
                 continue
             rep.building = None
             if number in self._doomed or self.state is State.STOPPING:
@@ -311,11 +323,40 @@ class Lifecycle:
                 self._count_restart("build_failed", rep)
                 continue
             gen.replica = rep.index
-            rep.current, rep.served = gen, True
+            rep.current, rep.served, rep.last_error = gen, True, ""
             verb = "up" if first and attempt == 1 else "recovered"
             self._replica_up(rep, f"engine generation {number} {verb} in {gen.build_s:.1f} s")
-            self.standby.prepare(self.next_generation, gen.engine.vllm_config)
+            if self.standby.prepare(self.next_generation, gen.engine.vllm_config, rep.index):
+                self.next_generation += 1  # reserved for the standby: the next build placed takes it
             return True, ""
+
+    async def _wait_for_budget(self, rep: Replica, spent: str) -> bool:
+        """``rep``'s restart budget is spent: while another replica serves or is on its way up
+        (starting or recovering, its budget not spent), ``rep`` waits until its budget allows
+        one more restart ("waiting" in its status, the ``replica_restart_budget_spent``
+        metric). True: try again (or stopping); False: no other replica serves or can, the
+        daemon fails."""
+        others = [r for r in self.replicas if r is not rep]
+        rep.retry_at = time.monotonic() + rep.intensity.free_in()
+        self.metrics.replica_budget_spent.labels(str(rep.index)).set(1)
+        log.error("replica's restart budget spent; the others serve, it waits to retry", replica=rep.index,
+                  reason=spent, retry_in_s=round(rep.retry_at - time.monotonic(), 1), last_error=rep.last_error,
+                  serving=[r.index for r in others if r.serving()])
+        self.notifier.status(f"{self.state.value}: replica {rep.index} waiting: {spent}")
+        self.changed.set()
+        try:
+            while (left := rep.retry_at - time.monotonic()) > 0:
+                if self.state is State.STOPPING:
+                    return True
+                if not any(r.serving() or (r.busy and r.retry_at is None) for r in others):
+                    return False
+                await asyncio.sleep(min(1.0, left))
+            log.info("replica's restart budget has room again; retrying", replica=rep.index)
+            return True
+        finally:
+            rep.retry_at = None
+            self.metrics.replica_budget_spent.labels(str(rep.index)).set(0)
+            self.changed.set()
 
     async def _workers_of(self, gen: Generation) -> list[dict[str, Any]]:
         try:

@@ -3,10 +3,13 @@
 A daemon runs ``supervisor.replicas`` replicas (``--replicas N``, default 1). A replica is a
 slot that holds one engine generation at a time and recovers on its own: its own placement
 group (``EngineBuilder.ensure_placement_group(index)``), its own worker actors, its own
-recovery task. Generation numbers are global across replicas, so a worker-death report
-(which names its generation) names its replica too.
+recovery task, its own restart budget (``max_restarts`` in ``restart_window_s``).
+Generation numbers are global across replicas, so a worker-death report (which names its
+generation) names its replica too.
 
-The daemon is READY while at least one replica serves. ``pick`` routes a new request to the
+The daemon is READY while at least one replica serves. A replica whose budget is spent
+while another serves (or is on its way up) waits until the budget allows one more restart,
+then tries again ("waiting"); the daemon fails (exit 3) only when no replica serves or can. ``pick`` routes a new request to the
 replica that served its prompt's prefix (``supervisor.routing``, ``routing = "prefix"``, the
 default) unless that one is loaded past a bound, else to the serving replica with the fewest
 streams running (least outstanding requests); when a
@@ -18,10 +21,12 @@ tokens, exactly as after a single-engine recovery).
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 from supervisor.generation import Generation
+from supervisor.policy import RestartIntensity
 
 
 @dataclass(eq=False)
@@ -33,6 +38,9 @@ class Replica:
     record: dict[str, Any] | None = None  # the recovery under way (``Lifecycle._begin_record``)
     served: bool = False  # a generation of it has been up
     probe_failures: int = 0  # consecutive (``health.probe``)
+    retry_at: float | None = None  # monotonic: its budget is spent; it tries again then
+    last_error: str = ""  # why its last build failed (cleared when it serves)
+    intensity: RestartIntensity = field(default_factory=lambda: RestartIntensity(5, 600.0))  # the owner's settings
 
     def serving(self, not_gen: Generation | None = None) -> bool:
         gen = self.current
@@ -44,9 +52,11 @@ class Replica:
 
     @property
     def state(self) -> str:
-        """serving | starting | recovering | down (for status and the ``replica_up`` metric)."""
+        """serving | starting | recovering | waiting | down (for status and the ``replica_up`` metric)."""
         if self.serving():
             return "serving"
+        if self.retry_at is not None:
+            return "waiting"
         if self.busy or self.building is not None:
             return "recovering" if self.served else "starting"
         return "down"
@@ -55,7 +65,10 @@ class Replica:
         gen = self.current
         return {"replica": self.index, "state": self.state, "generation": gen.number if gen else 0,
                 "instance_id": gen.instance_id if gen else "", "streams": len(gen.pumps) if gen else 0,
-                "building": self.building, "probe_failures": self.probe_failures}
+                "building": self.building, "probe_failures": self.probe_failures,
+                "restarts_in_window": self.intensity.recent,
+                **({"retry_in_s": round(max(0.0, self.retry_at - time.monotonic()), 1)} if self.retry_at else {}),
+                **({"last_error": self.last_error} if self.last_error else {})}
 
 
 def pick(replicas: Iterable[Replica], not_gen: Generation | None = None, epoch: int | None = None,

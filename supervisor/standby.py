@@ -8,9 +8,16 @@ Two parts, both started after a generation is READY and both owned by this daemo
   process with vLLM and the model's module imported, named and placed as the next
   generation's worker of that rank, holding no resources until the executor adopts it.
 
+With replicas there is one standby for all of them: it is prepared for the next generation
+number, and the next build numbered, whichever replica it is for, claims it (the workers
+are placed by node, ``executor.standby``, so any replica's placement group on that node can
+adopt them). One standby, not one per replica: a replica's recovery is what it speeds up,
+two replicas rarely fail within the ~10 s it takes to prepare the next, and each one would
+cost a worker's memory per rank while nothing fails (``docs/replicas.md``).
+
 The standby has its own small state machine (``TRANSITIONS``). A standby part that dies is
 replaced and counted; it is never a serving failure. A build that cannot adopt it (dead, or
-placed for a placement group that no longer exists) creates its workers cold instead.
+placed on a node the build's placement group does not use) creates its workers cold instead.
 """
 
 from __future__ import annotations
@@ -57,6 +64,9 @@ class Standby:
         self.enabled = enabled
         self.state = StandbyState.OFF
         self.generation = 0  # the generation number this standby is for
+        self.replica = 0  # the replica whose placement group's nodes it was placed on
+        self._adopting: int | None = None  # the generation whose build claimed it
+        self._unclaimed: int | None = None  # its number, reserved, until a build takes it
         self.workers: list[dict[str, Any]] = []  # rank, name, actor_id, bundle, pid, state
         self.forkserver_pid: int | None = None
         self.replacements = 0
@@ -94,53 +104,70 @@ class Standby:
 
     # --- the owner's calls ----------------------------------------------------------------
 
-    def prepare(self, generation: int, vllm_config: Any) -> None:
-        """Start preparing the standby for ``generation`` (the next build's number)."""
+    def prepare(self, generation: int, vllm_config: Any, replica: int = 0) -> bool:
+        """Start preparing the standby for generation number ``generation``, on the nodes of
+        ``replica``'s placement group (the replica that just came up). True when it started:
+        the owner then reserves that number for it (``reserved``)."""
         if not self.enabled or self.state is not StandbyState.OFF:
-            return
-        self.generation = generation
-        self._to(StandbyState.PREPARING, f"generation {generation - 1} is serving")
+            return False
+        self.generation, self.replica, self._unclaimed = generation, replica, generation
+        self._to(StandbyState.PREPARING, f"a generation came up (replica {replica})")
         self._task = asyncio.create_task(self._run(generation, vllm_config))
+        return True
+
+    def reserved(self) -> int | None:
+        """The number reserved for the standby that no build has taken yet: the next build
+        takes it (and must ``claim`` it before its next await), so numbers have no gaps even
+        when the standby was dropped meanwhile. None: take a new one."""
+        return self._unclaimed if self.enabled else None
 
     async def claim(self, generation: int) -> dict[str, Any] | None:
         """The standby for the build of ``generation``: ``{"namespace", "forkserver"}``
         (``namespace`` None when there are no standby workers for it), or None when there is
-        nothing to adopt. The standby is consumed either way."""
+        nothing to adopt. The build of the standby's number (``reserved``) consumes it; any
+        other build (one numbered while it was being adopted) leaves it alone and gets the
+        fork server only."""
         if not self.enabled:
             return None
+        if generation == self._unclaimed:
+            self._unclaimed = None
+        mine = generation == self.generation and self.state in (StandbyState.PREPARING, StandbyState.READY)
+        if mine:  # decided before the first await: no other build can take it meanwhile
+            self._adopting = generation
+            self._to(StandbyState.ADOPTING, f"building generation {generation}")
+        elif self.state in (StandbyState.PREPARING, StandbyState.READY, StandbyState.ADOPTING):
+            return {"namespace": None, "forkserver": await asyncio.to_thread(self.builder.forkserver_alive)}
         async with self._creating:  # an actor creation in flight finishes first
             await self._cancel()
         forkserver = await asyncio.to_thread(self.builder.forkserver_alive)
-        workers = self.workers if self.generation == generation else []
-        if self.workers and not workers:  # made for another generation: useless now
-            await self._discard_workers()
-        if self.state in (StandbyState.OFF, StandbyState.UNAVAILABLE):
+        if not mine:
             if self.state is StandbyState.UNAVAILABLE:
                 self._to(StandbyState.OFF, f"building generation {generation} without it")
             return {"namespace": None, "forkserver": forkserver}
-        self._to(StandbyState.ADOPTING, f"building generation {generation}")
-        return {"namespace": self.builder.standby_namespace if workers else None, "forkserver": forkserver}
+        return {"namespace": self.builder.standby_namespace if self.workers else None, "forkserver": forkserver}
 
     def adopted(self, generation: int, serving_workers: list[dict[str, Any]], count: bool = True) -> dict[str, Any]:
         """After a successful build: which ranks run in a standby's process. ``count``: false
         for the daemon's first engine, which has no standby to adopt."""
-        ids = {w["actor_id"]: w for w in self.workers if self.generation == generation}
+        mine = generation == self._adopting
+        ids = {w["actor_id"]: w for w in self.workers} if mine else {}
         adopted = sorted(w["rank"] for w in serving_workers if w.get("actor_id") in ids)
         result = "adopted" if adopted and len(adopted) == len(serving_workers) else "cold"
         if self.enabled and count:
             self.adoptions[result] += 1
             self.metrics.standby_adoptions.labels(result).inc()
-        # The adopted actors belong to the generation now (the Ray agent keeps their handles
-        # until the generation's actors are killed: Ray ends an actor whose creator drops them).
-        self.workers = []
-        if self.state is StandbyState.ADOPTING:
+        if mine:
+            # The adopted actors belong to the generation now (the Ray agent keeps their handles
+            # until the generation's actors are killed: Ray ends an actor whose creator drops them).
+            self.workers, self._adopting = [], None
             self._to(StandbyState.OFF, f"generation {generation} built ({result})")
         return {"result": result, "adopted_ranks": adopted}
 
-    def build_failed(self) -> None:
-        """The build that claimed the standby failed; its cleanup killed what it adopted."""
-        self.workers = []
-        if self.state is StandbyState.ADOPTING:
+    def build_failed(self, generation: int) -> None:
+        """The build of ``generation`` failed; if it claimed the standby, its cleanup killed
+        what it adopted (the standby's workers carry that generation's names)."""
+        if generation == self._adopting:
+            self.workers, self._adopting = [], None
             self._to(StandbyState.OFF, "the build that claimed it failed")
 
     async def stop(self) -> None:
@@ -150,6 +177,7 @@ class Standby:
             await self._discard_workers()
         except Exception as exc:  # the Ray agent gone: the workers went with it or its job
             log.warning("could not kill the standby's workers", error=str(exc)[:300])
+        self._adopting = None
         if self.state is not StandbyState.OFF:
             self._to(StandbyState.OFF, "stopping")
         if self.enabled:
@@ -161,7 +189,7 @@ class Standby:
         The fork server is local and stays; the next READY prepares workers again."""
         async with self._creating:  # a creation in flight fails as the Ray agent is killed
             await self._cancel()
-        self.workers = []
+        self.workers, self._adopting = [], None
         if self.state is not StandbyState.OFF:
             self._to(StandbyState.OFF, "the Ray cluster was lost")
 
@@ -170,6 +198,7 @@ class Standby:
         async with self._creating:
             await self._cancel()
         await self._discard_workers()
+        self._adopting = None
         if self.state is not StandbyState.OFF:
             self._to(StandbyState.OFF, reason)
 
@@ -215,7 +244,8 @@ class Standby:
         self.forkserver_pid = await asyncio.to_thread(self.builder.forkserver_pid)
         if self.builder.uses_ray and not self.workers:
             async with self._creating:
-                self.workers = await asyncio.to_thread(self.builder.create_standby, generation, vllm_config)
+                self.workers = await asyncio.to_thread(self.builder.create_standby, generation, vllm_config,
+                                                       self.replica)
         while self.builder.uses_ray:
             states = await asyncio.to_thread(self.builder.standby_states, self.workers)
             for w, s in zip(self.workers, states):

@@ -18,9 +18,9 @@ from chaos import inject  # noqa: E402
 
 
 @contextlib.contextmanager
-def running_ray_head():
+def running_ray_head(num_cpus: int = 2):
     """A private Ray head (``ray start --head``), stopped by marker afterwards."""
-    head = RayHead(num_cpus=2).start()
+    head = RayHead(num_cpus=num_cpus).start()
     try:
         yield head
     finally:

@@ -6,7 +6,8 @@ one replica's worker under 16 streams (then ``ctl kill-worker 0 --replica 1``): 
 text, finish reason and usage equal the fault-free run, none fails, the killed replica's streams
 were continued (``requests.continued``) at once on the other replica (largest gap per stream
 well below a rebuild), the daemon stays READY and new requests keep being served, with the
-fault-free text, while the killed replica rebuilds in the background. Then both at once."""
+fault-free text, while the killed replica rebuilds in the background, in the warm standby's
+process (one standby for both replicas: proved by pid). Then both at once."""
 
 from __future__ import annotations
 
@@ -183,6 +184,8 @@ def test_engine_state_calls_reach_every_replica(two):
 def test_kill_one_replica_streams_move_to_the_other(two, ray_head, index, via):
     daemon, ref, fresh_ref = two
     before = {r["replica"]: r["generation"] for r in daemon.wait_replicas_serving()}
+    # one warm standby for both replicas: whichever fails first adopts it
+    standby_pid = daemon.wait_standby("ready")["standby"]["workers"][0]["pid"]
     workers_before = workers_by_replica(daemon)
     continued_before = continued(daemon)
     fresh: list = []
@@ -224,9 +227,12 @@ def test_kill_one_replica_streams_move_to_the_other(two, ray_head, index, via):
     assert_process_gone(workers_before[index]["pid"])
     assert workers_after[index]["name"] != info["killed"] and workers_after[index]["pid"] != workers_before[index]["pid"]
     assert workers_after[1 - index] == workers_before[1 - index], (workers_before, workers_after)
+    # the killed replica's capacity came back in the standby's process
+    assert rec["standby"] == {"result": "adopted", "adopted_ranks": [0]}, rec
+    assert workers_after[index]["pid"] == standby_pid, (standby_pid, workers_after)
     print(f"\nreplica {index} killed by {via} ({info['killed']}): {STREAMS} streams exact, "
           f"{info['victim_streams']} continued on the other; largest gap per stream p50 {gaps[len(gaps) // 2]:.2f} s, "
-          f"max {gaps[-1]:.2f} s; replica rebuilt in {rec['total_s']:.1f} s")
+          f"max {gaps[-1]:.2f} s; replica rebuilt in {rec['total_s']:.1f} s (standby pid {standby_pid} adopted)")
 
 
 @pytest.mark.extended  # a second fault on the same daemon (65 s): the default tier proves one kill of a replica

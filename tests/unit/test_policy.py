@@ -29,6 +29,20 @@ def test_old_restarts_leave_the_window():
     assert r.recent == 1
 
 
+def test_a_refused_restart_is_not_counted_and_free_in_says_when_one_fits():
+    clock = Clock()
+    r = RestartIntensity(max_restarts=2, window_s=60, clock=clock)
+    assert r.free_in() == 0.0
+    assert r.record()
+    clock.t += 10
+    assert r.record()
+    clock.t += 5
+    assert not r.record() and not r.record() and r.recent == 2  # refusals leave the budget as it was
+    assert 45.0 < r.free_in() < 45.1  # the first restart leaves the window 60 s after it
+    clock.t += r.free_in()
+    assert r.record() and not r.record()
+
+
 def test_zero_budget_fails_first_restart():
     assert not RestartIntensity(max_restarts=0, window_s=10).record()
 

@@ -236,3 +236,117 @@ def test_restart_rebuilds_replicas_one_after_another_while_the_other_serves(tmp_
         assert await owner == 0
 
     run(scenario())
+
+
+class FailingReplica(SlowRebuilds):
+    """Builds of the replicas in ``failing`` fail (a replica that cannot be placed)."""
+
+    rebuild_s = 0.05
+
+    def __init__(self):
+        super().__init__()
+        self.failing: set[int] = set()
+
+    def build(self, number, standby=None, replica=0):
+        if replica in self.failing:
+            time.sleep(0.02)
+            self.claims.append((number, standby))
+            raise RuntimeError(f"PlacementGroupTimeout: replica {replica} not placed (fake)")
+        return super().build(number, standby, replica)
+
+
+def budget_spent(sup, index) -> float:
+    return sup.metrics.replica_budget_spent.labels(str(index))._value.get()
+
+
+def test_the_standby_serves_whichever_replica_fails_first(tmp_path):
+    """One standby for both: prepared for the next number, adopted by replica 1's rebuild,
+    prepared again on replica 1's nodes, then adopted by replica 0's."""
+    async def scenario():
+        b = SlowRebuilds()
+        sup, owner, states = await two_replicas(tmp_path, builder=b)
+        await wait_for(lambda: sup.standby.state.value == "ready")
+        assert sup.standby.generation == 3 and sorted(c[0] for c in b.claims) == [1, 2]
+        prompts = [[3, i] for i in range(4)]
+        got = await asyncio.gather(*(stream(sup, p, 30, f"s{i}", (lambda n: n == 5 and kill(sup, 1)) if i == 0 else None)
+                                     for i, p in enumerate(prompts)))
+        assert got == [reference(p, 30) for p in prompts]
+        await wait_for(lambda: sup.replicas[1].serving() and sup.standby.state.value == "ready")
+        assert sup.replicas[1].current.number == 3 and b.serving[3] == b.standby_made[0]["actor_id"]
+        assert sup.standby.generation == 4 and sup.standby.replica == 1  # placed on the nodes of the one that came up
+        kill(sup, 0)
+        await wait_for(lambda: sup.replicas[0].serving() and sup.replicas[0].current.number == 4)
+        assert sup.replicas[0].current.number == 4 and b.serving[4] == b.standby_made[1]["actor_id"]
+        assert sup.standby.adoptions == {"adopted": 2, "cold": 0}
+        assert State.RECOVERING not in states
+        sup.post(SignalReceived(signal.SIGTERM))
+        assert await owner == 0
+
+    run(scenario())
+
+
+def test_a_replica_that_cannot_be_built_waits_while_the_other_serves(tmp_path):
+    """Its own restart budget spent, replica 1 waits ("waiting", the metric, why) while
+    replica 0 serves every request; it serves again once its budget has room and it can be
+    built. The daemon fails (exit 3) only when no replica serves or can."""
+    async def scenario():
+        b = FailingReplica()
+        sup = FakeSupervisor(settings(tmp_path, replicas=2, max_restarts=2, restart_window_s=1.5), builder=b)
+        states = []
+        sup.machine.on_transition.append(lambda old, new, reason: states.append(new))
+        owner = asyncio.create_task(sup.run())
+        await wait_for(lambda: all(r.serving() for r in sup.replicas))
+        b.failing.add(1)
+        kill(sup, 1)
+        await wait_for(lambda: sup.replicas[1].state == "waiting", 5)
+        status = sup.status()["replicas"][1]
+        assert status["state"] == "waiting" and 0 < status["retry_in_s"] <= 1.5, status
+        assert "not placed" in status["last_error"] and budget_spent(sup, 1) == 1
+        assert sup.state is State.READY and sup.ready
+        prompts = [[5, i] for i in range(3)]
+        assert await asyncio.gather(*(stream(sup, p, 20, f"w{i}") for i, p in enumerate(prompts))) == \
+            [reference(p, 20) for p in prompts]
+        b.failing.clear()  # capacity is back: the next try after the window succeeds
+        await wait_for(lambda: sup.replicas[1].serving(), 5)
+        assert budget_spent(sup, 1) == 0 and "last_error" not in sup.status()["replicas"][1]
+        assert State.RECOVERING not in states and sup.state is State.READY
+
+        b.failing.update({0, 1})  # now neither can be built: the daemon fails
+        kill(sup, 1)
+        await wait_for(lambda: sup.replicas[1].state == "waiting", 5)
+        assert sup.state is State.READY
+        kill(sup, 0)
+        assert await asyncio.wait_for(owner, 10) == 3
+        assert sup.state is State.FAILED and "no other replica serves" in sup.machine.reason
+
+    run(scenario())
+
+
+def test_the_standby_is_left_alone_by_builds_that_are_not_its_own():
+    """Only the build of the standby's reserved number adopts it: a build of another number
+    (one placed while another adopts it) gets the fork server only; the standby is not touched."""
+    from supervisor.standby import Standby, StandbyState
+    from tests.unit.test_supervisor_fake_engine import FakeBuilder
+    from health.metrics import SupervisorMetrics
+    from prometheus_client import CollectorRegistry
+
+    async def scenario():
+        b = FakeBuilder()
+        b.forkserver_up = True
+        sb = Standby(b, SupervisorMetrics(1, CollectorRegistry()), enabled=True)
+        assert sb.prepare(5, None, replica=1) and sb.reserved() == 5
+        await wait_for(lambda: sb.state is StandbyState.READY)
+        made = b.standby_made[0]
+        assert await sb.claim(4) == {"namespace": None, "forkserver": True}
+        assert sb.state is StandbyState.READY and b.actor_states[made["actor_id"]] == "ALIVE"
+        assert await sb.claim(5) == {"namespace": "fake-ns", "forkserver": True} and sb.state is StandbyState.ADOPTING
+        assert sb.reserved() is None and not sb.prepare(7, None)  # taken; the next build numbers anew
+        assert await sb.claim(6) == {"namespace": None, "forkserver": True}
+        assert sb.state is StandbyState.ADOPTING and b.actor_states[made["actor_id"]] == "ALIVE"
+        assert sb.adopted(6, [{"rank": 0, "actor_id": "cold"}])["result"] == "cold"
+        sb.build_failed(6)
+        assert sb.state is StandbyState.ADOPTING  # not the build that claimed it
+        assert sb.adopted(5, [{"rank": 0, "actor_id": made["actor_id"]}]) == {"result": "adopted", "adopted_ranks": [0]}
+        assert sb.state is StandbyState.OFF and sb.adoptions == {"adopted": 1, "cold": 1}
+
+    run(scenario())

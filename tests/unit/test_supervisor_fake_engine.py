@@ -206,7 +206,7 @@ class FakeBuilder:
     def stop_forkserver(self):
         self.forkserver_up = False
 
-    def create_standby(self, number, vllm_config):
+    def create_standby(self, number, vllm_config, replica=0):
         actor_id = f"a{len(self.standby_made)}"
         self.actor_states[actor_id] = "ALIVE"
         worker = {"rank": 0, "name": f"w-g{number}", "actor_id": actor_id, "bundle": 0, "handle": None}
@@ -578,7 +578,7 @@ def test_reload_edge_cases(tmp_path):
 
         current["s"] = settings(tmp_path, max_restarts=9, drain_timeout_s=3)
         sup._on_reload()
-        assert sup.cfg.max_restarts == 9 and sup.intensity.max_restarts == 9 and sup.cfg.drain_timeout_s == 3
+        assert sup.cfg.max_restarts == 9 and sup.replicas[0].intensity.max_restarts == 9 and sup.cfg.drain_timeout_s == 3
         assert sup.state is State.READY and sup.generation_number == 1 and not sup.restarts
 
         current["s"] = ConfigError(["config error: supervisor.max_restarts = -1: too small"])
