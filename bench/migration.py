@@ -1,5 +1,6 @@
 """What clients see when a worker dies under steady streaming load: 1 replica vs 2 replicas
-(live stream migration), in one run on one machine, on the same Ray head.
+(live stream migration), and how soon the killed replica's capacity is back with the warm
+standby vs a cold rebuild (``--standby none``), in one run on one machine, on the same Ray head.
 
 ``--clients`` clients each stream completions one after another (openai SDK, greedy, fixed
 length) for the whole run. After a warm-up, a worker of replica 0 is ``ray.kill``ed; the load
@@ -11,7 +12,12 @@ configuration. Reported per configuration:
   clients and kills);
 * requests failed (an error after the response started, or a 5xx) and rejected (503 at admission);
 * texts that differ from the fault-free reference of the same prompt;
-* chunks per second during the recovery window vs the warm-up before the kill.
+* chunks per second during the recovery window vs the warm-up before the kill;
+* when the killed replica served again (capacity back), and whether its rebuild adopted the
+  warm standby.
+
+Configurations (``--configs``): ``1`` (one replica, warm standby), ``2`` (two replicas, warm
+standby), ``2-cold`` (two replicas, ``--standby none``).
 
     python -m bench.migration --clients 16 --tokens 200 --kills 2
 """
@@ -72,9 +78,14 @@ def chunks_per_s(records: list[RequestRecord], start: float, end: float) -> floa
     return sum(1 for r in records for t in r.chunk_times if start <= t <= end) / max(end - start, 1e-9)
 
 
-def one_config(work: Path, head: RayHead, n_replicas: int, args: Any) -> dict[str, Any]:
-    (work / f"r{n_replicas}").mkdir(exist_ok=True)
-    daemon = start_daemon(work / f"r{n_replicas}", head, tp=1, replicas=n_replicas, max_restarts=50)
+LABELS = {"1": "1 replica (warm standby)", "2": "2 replicas (live migration, warm standby)",
+          "2-cold": "2 replicas (live migration, `--standby none`: cold rebuild)"}
+
+
+def one_config(work: Path, head: RayHead, config: str, args: Any) -> dict[str, Any]:
+    n_replicas, standby = int(config.split("-")[0]), "none" if config.endswith("-cold") else "warm"
+    (work / f"c{config}").mkdir(exist_ok=True)
+    daemon = start_daemon(work / f"c{config}", head, tp=1, replicas=n_replicas, max_restarts=50, standby=standby)
     try:
         daemon.wait_ready(timeout_s=600)
         daemon.wait_replicas_serving(timeout_s=600)
@@ -84,12 +95,12 @@ def one_config(work: Path, head: RayHead, n_replicas: int, args: Any) -> dict[st
         reference = {r.key: r for r in ref_records}
         kills = []
         for k in range(args.kills):
-            if n_replicas == 1:  # the warm standby (the single-replica default) ready, as in steady state
+            if standby == "warm":  # the warm standby (the default) ready, as in steady state
                 daemon.wait_standby()
             kills.append(asyncio.run(_kill_under_load(daemon, head, args, reference)))
-            print(f"replicas={n_replicas} kill {k + 1}: {json.dumps({x: y for x, y in kills[-1].items() if x != 'gaps'})}",
+            print(f"config={config} kill {k + 1}: {json.dumps({x: y for x, y in kills[-1].items() if x != 'gaps'})}",
                   flush=True)
-        return {"replicas": n_replicas, "kills": kills}
+        return {"config": config, "replicas": n_replicas, "standby": standby, "kills": kills}
     finally:
         daemon.stop()
         inject.disconnect()
@@ -128,6 +139,7 @@ async def _kill_under_load(daemon: Daemon, head: RayHead, args: Any, reference: 
         "chunks_per_s_before": round(chunks_per_s(records, warm_from + 2, killed_at), 1),
         "chunks_per_s_during": round(chunks_per_s(records, killed_at, back_at), 1),
         "gaps": [round(g, 3) for g in gaps],
+        "standby_result": ((daemon.status()["recoveries"] or [{}])[-1].get("standby") or {}).get("result", "none"),
     }
 
 
@@ -147,16 +159,22 @@ def write_report(results: list[dict], out: Path, args: Any) -> str:
         ks = res["kills"]
         gaps = [g for k in ks for g in k["gaps"]]
         ratio = statistics.median(k["chunks_per_s_during"] / max(k["chunks_per_s_before"], 1e-9) for k in ks)
-        label = "1 replica (warm standby)" if res["replicas"] == 1 else f"{res['replicas']} replicas (live migration)"
+        label = LABELS.get(res.get("config", str(res["replicas"])), res.get("config"))
         lines.append(f"| {label} | {statistics.median(gaps):.2f} / {p99(gaps):.2f} / {max(gaps):.2f} | "
                      f"{sum(k['failed'] for k in ks)} | {sum(k['rejected'] for k in ks)} | {sum(k['mismatched'] for k in ks)} | "
                      f"{ratio:.2f} | {statistics.median(k['recovery_s'] for k in ks):.1f} |")
-    one = next((r for r in results if r["replicas"] == 1), None)
-    many = next((r for r in results if r["replicas"] > 1), None)
+    by = {r.get("config", str(r["replicas"])): r for r in results}
+    one, many, cold = by.get("1"), by.get("2"), by.get("2-cold")
     if one and many:
         g1 = p99([g for k in one["kills"] for g in k["gaps"]])
         g2 = p99([g for k in many["kills"] for g in k["gaps"]])
         lines += ["", f"- p99 largest gap, 2 replicas / 1 replica: **{g2 / g1:.3f}** (goal: p99 ≤ 1 s, 0 failed, 0 rejected)"]
+    if many and cold:
+        warm_s = statistics.median(k["recovery_s"] for k in many["kills"])
+        cold_s = statistics.median(k["recovery_s"] for k in cold["kills"])
+        adopted = [k.get("standby_result") for k in many["kills"]]
+        lines += [f"- a killed replica's capacity back, warm standby / cold rebuild: {warm_s:.1f} / {cold_s:.1f} s = "
+                  f"**{warm_s / cold_s:.2f}×** (goal ≤ 0.3×); the warm rebuilds: {', '.join(adopted)}"]
     text = "\n".join(lines) + "\n"
     (out / "migration.md").write_text(text)
     return text
@@ -169,15 +187,15 @@ def main() -> int:
     parser.add_argument("--kills", type=int, default=2)
     parser.add_argument("--warmup-s", type=float, default=8.0)
     parser.add_argument("--cooldown-s", type=float, default=3.0)
-    parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--configs", nargs="+", default=["1", "2", "2-cold"], choices=sorted(LABELS))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench-migration-"))
     head = RayHead(num_cpus=2).start()
     results = []
     try:
-        for n in args.replicas:
-            results.append(one_config(work, head, n, args))
+        for config in args.configs:
+            results.append(one_config(work, head, config, args))
     except BaseException:
         traceback.print_exc()
         raise

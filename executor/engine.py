@@ -128,15 +128,6 @@ def engine_worker_pids(engine) -> list[int]:
     return child_pids(set(engine_core_pids(engine)))
 
 
-def running(pid: int) -> bool:
-    """Whether ``pid`` exists and is not a zombie (from /proc)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            return fh.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except OSError:
-        return False
-
-
 def kill_pids(pids: list[int]) -> list[int]:
     """SIGKILL each process still alive (works on stopped, hung ones too); returns those hit."""
     killed = []

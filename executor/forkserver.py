@@ -35,6 +35,8 @@ import threading
 import time
 from typing import Iterator
 
+from executor.procfs import running
+
 # What the engine core imports before it runs: vLLM's engine core and our executors.
 PRELOAD = ["vllm.v1.engine.core", "executor.ray_v2", "executor.mp"]
 
@@ -93,8 +95,6 @@ def start(preload: list[str] | None = None) -> float:
 def pid() -> int | None:
     """The fork server's pid while it runs, else None. Never reaps it: a dead server stays a
     zombie until ``start()`` (``ensure_running``) reaps and replaces it."""
-    from executor.engine import running  # executor.engine imports this module
-
     p = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
     return p if p is not None and running(p) else None
 

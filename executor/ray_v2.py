@@ -85,7 +85,7 @@ class SupervisedRayExecutor(DeathReporter, _v2.RayExecutorV2):
         _v2.RayWorkerProc = SupervisedRayWorkerProc
         real_ray = _v2.ray
         if self._standby_namespace:
-            from executor.standby import AdoptingRay
+            from executor.adoption import AdoptingRay
 
             _v2.ray = AdoptingRay(real_ray, self._adopt_standby)
         try:
@@ -114,7 +114,7 @@ class SupervisedRayExecutor(DeathReporter, _v2.RayExecutorV2):
         """The standby named ``options["name"]``, adopted with ``init_kwargs``; None when
         there is none or it cannot be adopted (vLLM then creates the actor)."""
         from executor.cluster import kill_handles
-        from executor.standby import CLAIM_PREFIX, bundle_node, claim_bundle
+        from executor.adoption import CLAIM_PREFIX, bundle_node, claim_bundle
 
         name = options["name"]
         try:

@@ -245,7 +245,8 @@ class EngineBuilder:
         return new_detokenizer(tokenizer, prompt_token_ids, params, request_id)
 
     def teardown(self, gen: Generation) -> None:
-        from executor.engine import engine_core_pids, engine_worker_pids, kill_pids, running, shutdown_engine
+        from executor.engine import engine_core_pids, engine_worker_pids, kill_pids, shutdown_engine
+        from executor.procfs import running
         from executor.shm import sweep
 
         started = time.monotonic()

@@ -32,5 +32,6 @@ def test_every_series_exists_before_any_event():
                  'vllm_supervisor_requests_total{outcome="continued"} 0.0',
                  'vllm_supervisor_worker_deaths_total{cause="killed",replica="1"} 0.0',
                  'vllm_supervisor_replica_up{replica="1"} 0.0', 'vllm_supervisor_engine_generation{replica="1"} 0.0',
+                 'vllm_supervisor_replica_restart_budget_spent{replica="1"} 0.0',
                  'vllm_supervisor_recovery_phase_duration_seconds_count{phase="detect",replica="1"} 0.0'):
         assert line in text, line
