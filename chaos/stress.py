@@ -192,8 +192,12 @@ class Stress:
             if s["state"] == "ready" or (seen[0][0] < seen[-1][0] - 0.3 and {p for t, p in seen if t >= seen[-1][0] - 0.3} == {s["parked"]}):
                 break
             await asyncio.sleep(0.05)
-        picked = [r for r in sent if r.stream and r.outcome == "pending" and id(r) in self.tasks
-                  and 0 < len(r.chunk_times) < r.max_tokens // 2][:HANG_UPS_PER_FAULT]
+        # Parked streams with tokens, those farthest from their end first (a parked stream cannot
+        # finish while the daemon recovers, so any of them is a fair pick; a mid-stream one is the
+        # usual case, but which streams run at a fault is chance).
+        picked = sorted((r for r in sent if r.stream and r.outcome == "pending" and id(r) in self.tasks
+                         and 0 < len(r.chunk_times) < r.max_tokens),
+                        key=lambda r: len(r.chunk_times) / r.max_tokens)[:HANG_UPS_PER_FAULT]
         row: dict[str, Any] = {"hung_up": len(picked), "state_before": s["state"], "parked_before": s["parked"]}
         for r in picked:
             self.tasks[id(r)].cancel()

@@ -7,7 +7,7 @@ of ``vllm serve`` is there unchanged. Around it, one small ASGI layer that is ou
   and ``/metrics/supervisor`` (ours alone, promtool-clean) are answered in every state;
 * until the first engine is up (vLLM's app needs its model config) everything else is a
   503 — the same answer ``/health`` gives whenever no engine serves;
-* every 503 carries ``Retry-After``; request bodies over ``--max-body-bytes`` get 413;
+* every 503 carries ``Retry-After`` and closes its connection (``retry_later``); request bodies over ``--max-body-bytes`` get 413;
 * API keys (``--api-key``) are checked by vLLM's own middleware, reading the daemon's
   current keys so that a SIGHUP reload rotates them at once.
 """
@@ -61,6 +61,14 @@ def _auth_middleware(sup: Any) -> type:
             return super().__call__(scope, receive, send)
 
     return RotatingKeys
+
+
+def retry_later(seconds: bytes) -> list[tuple[bytes, bytes]]:
+    """The headers of a 503: ``Retry-After``, and ``Connection: close``. A client that waits
+    what ``Retry-After`` says (5 s) and then reuses its keep-alive connection would race the
+    server's keep-alive timeout (uvicorn's, ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``: also 5 s) and
+    read "server disconnected" for a request that never arrived; it reconnects instead."""
+    return [(b"retry-after", seconds), (b"connection", b"close")]
 
 
 async def _respond(send: Any, status: int, body: bytes, content_type: str, headers: list | None = None) -> None:
@@ -193,7 +201,7 @@ class Front:
 
         async def send_with_retry_after(message: dict) -> None:
             if message["type"] == "http.response.start" and message["status"] == 503:
-                message = {**message, "headers": [*message.get("headers", []), (b"retry-after", retry_after)]}
+                message = {**message, "headers": [*message.get("headers", []), *retry_later(retry_after)]}
             await send(message)
 
         await self.app(scope, receive, send_with_retry_after)
@@ -236,7 +244,7 @@ class Front:
         sup = self.sup
         body = {"error": {"message": f"no engine serving yet: daemon is {sup.state.value} ({sup.machine.reason})",
                           "type": "Service Unavailable", "param": None, "code": 503}}
-        await _respond(send, 503, json.dumps(body).encode(), "application/json", [(b"retry-after", b"5")])
+        await _respond(send, 503, json.dumps(body).encode(), "application/json", retry_later(b"5"))
 
     async def _ours(self, path: str, scope: dict, send: Any) -> None:
         sup = self.sup
@@ -248,7 +256,7 @@ class Front:
             if b"verbose" not in scope.get("query_string", b""):
                 body = {k: body[k] for k in ("state", "generation", "reason", "in_flight", "recoveries")}
             return await _respond(send, 200 if sup.ready else 503, json.dumps(body, default=str).encode(),
-                                  "application/json", [] if sup.ready else [(b"retry-after", b"5")])
+                                  "application/json", [] if sup.ready else retry_later(b"5"))
         ours = generate_latest(sup.metrics.registry)
         body = ours if path == "/metrics/supervisor" else generate_latest(REGISTRY) + ours
         return await _respond(send, 200, body, CONTENT_TYPE_LATEST)

@@ -212,7 +212,7 @@ def test_admission_queue_full_and_admission_timeout_get_503_with_retry_after(tmp
         await wait_for(lambda: sup.client.waiting_new == 1)
         full = await client.post("/v1/completions", json={"prompt": "b", "max_tokens": 2})
         assert full.status_code == 503 and "admission queue is full" in full.json()["error"]["message"]
-        assert int(full.headers["retry-after"]) > 0
+        assert int(full.headers["retry-after"]) > 0 and full.headers["connection"] == "close"  # no keep-alive race
         timed_out = await waiting
         assert timed_out.status_code == 503 and "no engine within 0.5 s" in timed_out.json()["error"]["message"]
         assert int(timed_out.headers["retry-after"]) > 0
@@ -285,7 +285,7 @@ def test_sigterm_drains_running_streams_and_rejects_new_requests(tmp_path):
         await wait_for(lambda: sup.state is State.STOPPING)
         late = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
         assert late.status_code == 503 and "stopping" in late.json()["error"]["message"]
-        assert int(late.headers["retry-after"]) > 0
+        assert int(late.headers["retry-after"]) > 0 and late.headers["connection"] == "close"
         assert sup.state is State.STOPPING and not running.done()  # still draining
         text, error = await running
         assert error is None and len(sup.engines) == 1  # finished in full on the old engine
