@@ -303,11 +303,10 @@ class Lifecycle:
                     self.client.attach(gen.engine, await gen.engine.get_supported_tasks(), front, gen.epoch)
                     self._reattach = False
             except Exception as exc:
-                rep.building = None
-                rep.last_error = f"{type(exc).__name__}: {exc}"[:300]
+                error = f"{type(exc).__name__}: {exc}"
+                rep.building, rep.last_error = None, error[:300]
                 self._count_restart("build_failed", rep)
-                log.error("engine build failed", failed_generation=number, replica=rep.index,
-                          error=f"{type(exc).__name__}: {exc}"[:500])
+                log.error("engine build failed", failed_generation=number, replica=rep.index, error=error[:500])
                 if type(exc).__name__ == "PlacementGroupTimeout" and self.state is State.RECOVERING:
                     self.machine.transition(State.RECOVERING, f"waiting for capacity: {exc}")
                 if number is not None:  # not placed: no number taken, nothing built

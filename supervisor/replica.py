@@ -9,13 +9,14 @@ generation) names its replica too.
 
 The daemon is READY while at least one replica serves. A replica whose budget is spent
 while another serves (or is on its way up) waits until the budget allows one more restart,
-then tries again ("waiting"); the daemon fails (exit 3) only when no replica serves or can. ``pick`` routes a new request to the
-replica that served its prompt's prefix (``supervisor.routing``, ``routing = "prefix"``, the
-default) unless that one is loaded past a bound, else to the serving replica with the fewest
-streams running (least outstanding requests); when a
-replica fails, its streams are parked and ``pick`` gives them another serving replica at
-once (live migration: ``supervisor.engine_client`` continues them with prompt + delivered
-tokens, exactly as after a single-engine recovery).
+then tries again ("waiting"); the daemon fails (exit 3) only when no replica serves or can.
+
+``pick`` routes a new request to the replica that served its prompt's prefix
+(``supervisor.routing``, ``routing = "prefix"``, the default) unless that one is loaded past
+a bound, else to the serving replica with the fewest streams running (least outstanding
+requests); when a replica fails, its streams are parked and ``pick`` gives them another
+serving replica at once (live migration: ``supervisor.engine_client`` continues them with
+prompt + delivered tokens, exactly as after a single-engine recovery).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
+from config.settings import SupervisorSettings
 from supervisor.generation import Generation
 from supervisor.policy import RestartIntensity
 
@@ -40,7 +42,9 @@ class Replica:
     probe_failures: int = 0  # consecutive (``health.probe``)
     retry_at: float | None = None  # monotonic: its budget is spent; it tries again then
     last_error: str = ""  # why its last build failed (cleared when it serves)
-    intensity: RestartIntensity = field(default_factory=lambda: RestartIntensity(5, 600.0))  # the owner's settings
+    # the owner builds it from its settings; the default (the settings' defaults) is for a Replica built alone
+    intensity: RestartIntensity = field(default_factory=lambda: RestartIntensity(
+        SupervisorSettings.model_fields["max_restarts"].default, SupervisorSettings.model_fields["restart_window_s"].default))
 
     def serving(self, not_gen: Generation | None = None) -> bool:
         gen = self.current

@@ -8,8 +8,9 @@ Two parts, both started after a generation is READY and both owned by this daemo
   process with vLLM and the model's module imported, named and placed as the next
   generation's worker of that rank, holding no resources until the executor adopts it.
 
-With replicas there is one standby for all of them: it is prepared for the next generation
-number, and the next build numbered, whichever replica it is for, claims it (the workers
+With replicas there is one standby for all of them: a generation number is reserved for it
+when it is prepared, and the first build placed, whichever replica it is for, takes that
+number and claims it (the workers
 are placed by node, ``executor.standby``, so any replica's placement group on that node can
 adopt them). One standby, not one per replica: a replica's recovery is what it speeds up,
 two replicas rarely fail within the ~10 s it takes to prepare the next, and each one would
@@ -65,7 +66,6 @@ class Standby:
         self.state = StandbyState.OFF
         self.generation = 0  # the generation number this standby is for
         self.replica = 0  # the replica whose placement group's nodes it was placed on
-        self._adopting: int | None = None  # the generation whose build claimed it
         self._unclaimed: int | None = None  # its number, reserved, until a build takes it
         self.workers: list[dict[str, Any]] = []  # rank, name, actor_id, bundle, pid, state
         self.forkserver_pid: int | None = None
@@ -133,7 +133,6 @@ class Standby:
             self._unclaimed = None
         mine = generation == self.generation and self.state in (StandbyState.PREPARING, StandbyState.READY)
         if mine:  # decided before the first await: no other build can take it meanwhile
-            self._adopting = generation
             self._to(StandbyState.ADOPTING, f"building generation {generation}")
         elif self.state in (StandbyState.PREPARING, StandbyState.READY, StandbyState.ADOPTING):
             return {"namespace": None, "forkserver": await asyncio.to_thread(self.builder.forkserver_alive)}
@@ -149,7 +148,7 @@ class Standby:
     def adopted(self, generation: int, serving_workers: list[dict[str, Any]], count: bool = True) -> dict[str, Any]:
         """After a successful build: which ranks run in a standby's process. ``count``: false
         for the daemon's first engine, which has no standby to adopt."""
-        mine = generation == self._adopting
+        mine = self._adopted_by(generation)
         ids = {w["actor_id"]: w for w in self.workers} if mine else {}
         adopted = sorted(w["rank"] for w in serving_workers if w.get("actor_id") in ids)
         result = "adopted" if adopted and len(adopted) == len(serving_workers) else "cold"
@@ -159,15 +158,20 @@ class Standby:
         if mine:
             # The adopted actors belong to the generation now (the Ray agent keeps their handles
             # until the generation's actors are killed: Ray ends an actor whose creator drops them).
-            self.workers, self._adopting = [], None
+            self.workers = []
             self._to(StandbyState.OFF, f"generation {generation} built ({result})")
         return {"result": result, "adopted_ranks": adopted}
+
+    def _adopted_by(self, generation: int) -> bool:
+        """Whether the build of ``generation`` is the one that claimed this standby (only its
+        own number's build moves it to ADOPTING)."""
+        return self.state is StandbyState.ADOPTING and generation == self.generation
 
     def build_failed(self, generation: int) -> None:
         """The build of ``generation`` failed; if it claimed the standby, its cleanup killed
         what it adopted (the standby's workers carry that generation's names)."""
-        if generation == self._adopting:
-            self.workers, self._adopting = [], None
+        if self._adopted_by(generation):
+            self.workers = []
             self._to(StandbyState.OFF, "the build that claimed it failed")
 
     async def stop(self) -> None:
@@ -177,7 +181,6 @@ class Standby:
             await self._discard_workers()
         except Exception as exc:  # the Ray agent gone: the workers went with it or its job
             log.warning("could not kill the standby's workers", error=str(exc)[:300])
-        self._adopting = None
         if self.state is not StandbyState.OFF:
             self._to(StandbyState.OFF, "stopping")
         if self.enabled:
@@ -189,7 +192,7 @@ class Standby:
         The fork server is local and stays; the next READY prepares workers again."""
         async with self._creating:  # a creation in flight fails as the Ray agent is killed
             await self._cancel()
-        self.workers, self._adopting = [], None
+        self.workers = []
         if self.state is not StandbyState.OFF:
             self._to(StandbyState.OFF, "the Ray cluster was lost")
 
@@ -198,7 +201,6 @@ class Standby:
         async with self._creating:
             await self._cancel()
         await self._discard_workers()
-        self._adopting = None
         if self.state is not StandbyState.OFF:
             self._to(StandbyState.OFF, reason)
 
