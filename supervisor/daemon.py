@@ -1,4 +1,5 @@
-"""The lifecycle owner: one owner task, one state machine, every failure source as one event.
+"""The lifecycle owner, a composition root: it builds the parts, runs one owner task with one
+state machine, and dispatches every event to the part whose job it is.
 
 Invariants:
 * only the owner task (``Supervisor.run`` and the handlers it awaits) changes
@@ -7,9 +8,11 @@ Invariants:
   and the control socket only enqueue events (``post``);
 * everything that blocks on Ray or builds an engine runs in a worker thread (``builder``).
 
-The request path is ``supervisor.engine_client``; starting, recovering and stopping
-engine generations is ``supervisor.recovery``; operator commands and reload are
-``supervisor.operations``; this file holds the state and dispatches the events.
+The parts: the request path (``supervisor.engine_client``), starting, recovering and stopping
+engine generations (``supervisor.recovery``, one record per recovery in ``supervisor.record``),
+the Ray cluster's loss and return (``supervisor.clusterloss``), operator commands and reload
+(``supervisor.operations``), the warm standby (``supervisor.standby``), the detectors
+(``health``). The parts see the owner through ``supervisor.owner.Owner``.
 """
 
 from __future__ import annotations
@@ -42,27 +45,23 @@ from supervisor.events import (
 )
 from supervisor.generation import EngineUnavailable, Generation, RequestFailed  # noqa: F401 (re-exported)
 from supervisor.policy import RestartIntensity
-from supervisor.replica import pick
+from supervisor.replica import Replica, pick
 from supervisor.routing import PrefixRouter
 from supervisor.standby import Standby
+from supervisor.clusterloss import ClusterLoss
 from supervisor.operations import Operations
-from supervisor.recovery import EXIT_FAILED, EXIT_OK, EXIT_RAY_LOST, Lifecycle
+from supervisor.recovery import EXIT_FAILED, EXIT_OK, EXIT_RAY_LOST, Recovery
 from supervisor.states import State, StateMachine
 
 log = logs.get_logger("vllm_supervisor.daemon")
 
 
-class Supervisor(Lifecycle, Operations):
+class Supervisor:
     def __init__(self, settings: Settings, engine_args: Any, registry: Any = None, reload_settings: Any = None,
                  control_socket: str | None = None, builder: EngineBuilder | None = None):
         self.settings = settings
         self.cfg = settings.supervisor
-        self.engine_args = engine_args
-        self._reload_settings = reload_settings  # () -> (Settings, Namespace); raises ConfigError
         self.control_socket = control_socket
-        self.config_error = ""
-        self._reloading = False
-        self.api_keys: list[str] = [k for k in (getattr(engine_args, "api_key", None) or []) if k]
         self.daemon_id = f"vsup{os.getpid()}x{uuid.uuid4().hex[:6]}"
         self.runtime_dir = Path(os.environ.get("RUNTIME_DIRECTORY") or tempfile.mkdtemp(prefix="vllm-supervisor-"))
         self._own_runtime_dir = "RUNTIME_DIRECTORY" not in os.environ
@@ -92,7 +91,11 @@ class Supervisor(Lifecycle, Operations):
         self.changed = asyncio.Event()  # pulsed on every transition
         self._events: asyncio.Queue[Event] = asyncio.Queue()
         self._tasks: set[asyncio.Task] = set()
-        Lifecycle.__init__(self, self.cfg.replicas)
+        # the parts, each with its own job (``supervisor.owner.Owner`` is what they see of this)
+        self.recovery = Recovery(self)
+        self.replicas: list[Replica] = self.recovery.replicas
+        self.cluster = ClusterLoss(self)
+        self.operations = Operations(self, engine_args, reload_settings)
         self.metrics.set_replicas(self.cfg.replicas)
         logs.set_context_provider(lambda: {"state": self.machine.state.value, "generation": self.generation_number})
 
@@ -106,6 +109,25 @@ class Supervisor(Lifecycle, Operations):
     def generation_number(self) -> int:
         """The newest generation a replica holds (0: none)."""
         return max((r.current.number for r in self.replicas if r.current is not None), default=0)
+
+    @property
+    def engine_args(self) -> Any:
+        """The serve Namespace running now (a reload replaces it)."""
+        return self.operations.engine_args
+
+    @property
+    def api_keys(self) -> list[str]:
+        return self.operations.api_keys
+
+    @property
+    def config_error(self) -> str:
+        """Why the last reload was rejected ("" when it was not)."""
+        return self.operations.config_error
+
+    @property
+    def recoveries(self) -> list[dict[str, Any]]:
+        """The closed recovery records, oldest first."""
+        return self.recovery.records
 
     @property
     def served_model_name(self) -> str:
@@ -165,13 +187,13 @@ class Supervisor(Lifecycle, Operations):
 
         loop = asyncio.get_running_loop()
         self._install_signal_handlers()
-        background = [self._spawn(self._listen_for_worker_deaths()), self._spawn(self.probe.run()),
-                      self._spawn(self.clusterwatch.run()),
-                      self._spawn(watchdog_loop(self.notifier, lambda: self.state))]
+        background = [self.spawn(self._listen_for_worker_deaths()), self.spawn(self.probe.run()),
+                      self.spawn(self.clusterwatch.run()),
+                      self.spawn(watchdog_loop(self.notifier, lambda: self.state))]
         if self.control_socket:
-            background.append(self._spawn(serve_control(self.control_socket, self.full_status, self._submit)))
+            background.append(self.spawn(serve_control(self.control_socket, self.full_status, self._submit)))
         try:
-            self._operation = self._spawn(self._start())
+            self.operations.operation = self.spawn(self.recovery.start())
             while not self.state.terminal:
                 event = await self._events.get()
                 try:
@@ -194,18 +216,18 @@ class Supervisor(Lifecycle, Operations):
             else:
                 self._begin_stop(f"{signal.Signals(event.signum).name} received")
         elif isinstance(event, EngineFailed):
-            self._on_engine_failed(event)
+            self.recovery.on_engine_failed(event)
         elif isinstance(event, ClusterLost):
-            await self._on_cluster_lost(event)
+            await self.cluster.on_lost(event)
         elif isinstance(event, RecoveryFinished):
             if not event.ok and self.state is not State.STOPPING:
                 self.exit_code = EXIT_RAY_LOST if self.builder.cluster_lost else EXIT_FAILED
                 self._begin_stop(event.detail)
         elif isinstance(event, ControlCommand):
             if not event.reply.done():
-                event.reply.set_result(await self._on_control(event.cmd, event.args))
+                event.reply.set_result(await self.operations.on_control(event.cmd, event.args))
         elif isinstance(event, ReloadRequested):
-            self._on_reload()
+            self.operations.on_reload()
         elif isinstance(event, StopFinished):
             if self.exit_code == EXIT_OK:
                 self.machine.transition(State.STOPPED, "stopped")
@@ -236,17 +258,22 @@ class Supervisor(Lifecycle, Operations):
 
     # --- helpers ------------------------------------------------------------------
 
-    def _spawn(self, coro: Any) -> asyncio.Task:
+    def _begin_stop(self, reason: str) -> None:
+        """Stop admitting at once; drain, tear down and report ``StopFinished``."""
+        self.machine.transition(State.STOPPING, reason)
+        self.spawn(self.recovery.stop(self.operations.operation))
+
+    def spawn(self, coro: Any) -> asyncio.Task:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
 
-    def _count_restart(self, reason: str, rep: Any) -> None:
+    def count_restart(self, reason: str, rep: Any) -> None:
         self.restarts[reason] += 1
         self.metrics.restarts.labels(str(rep.index), reason).inc()
 
-    def _worker_death_seen(self, event: EngineFailed, rep: Any) -> None:
+    def worker_death_seen(self, event: EngineFailed, rep: Any) -> None:
         self.metrics.worker_deaths.labels(str(rep.index), death_cause(event.detail)).inc()
         self.metrics.workers(rep.index, up=False, ranks=event.ranks)
 
@@ -254,8 +281,9 @@ class Supervisor(Lifecycle, Operations):
         log.info("state transition", from_state=old.value, to_state=new.value, reason=reason)
         self.metrics.set_state(new.value)
         text = f"{new.value} (generation {self.generation_number}): {reason[:200]}"
-        if new is State.READY and (not self._announced_ready or self._reloading):
-            self._announced_ready, self._reloading = True, False
+        ops = self.operations
+        if new is State.READY and (not self._announced_ready or ops.reloading):
+            self._announced_ready, ops.reloading = True, False
             self.notifier.ready(text)
         elif new is State.STOPPING:
             self.notifier.stopping(text)
@@ -282,15 +310,9 @@ class Supervisor(Lifecycle, Operations):
             "config_error": self.config_error,
             **({"test_held": c.held} if c._test_hooks else {}),
             "probe": self.probe.status(),
-            **({"ray": self.ray_status()} if self.builder.uses_ray else {}),
+            **({"ray": self.cluster.status()} if self.builder.uses_ray else {}),
             "standby": self.standby.status(),
         }
-
-    def ray_status(self) -> dict[str, Any]:
-        b, lost = self.builder, self.cluster_lost_monotonic
-        return {"gcs_address": b.gcs_address, "connected": b.cluster is not None and not b.cluster_lost,
-                "lost_for_s": None if lost is None else round(time.monotonic() - lost, 1),
-                "agent_pid": b.agent_pid}
 
     async def full_status(self) -> dict[str, Any]:
         """``status()`` plus each replica's workers (replica, rank, actor, pid, node) from Ray."""

@@ -37,7 +37,7 @@ class Replica:
     current: Generation | None = None  # the generation it serves, or the failed one until torn down
     building: int | None = None  # the generation number being built
     recovery: asyncio.Task | None = None  # its start or recovery, while one runs
-    record: dict[str, Any] | None = None  # the recovery under way (``Lifecycle._begin_record``)
+    record: Any = None  # the recovery under way (``supervisor.record``)
     served: bool = False  # a generation of it has been up
     probe_failures: int = 0  # consecutive (``health.probe``)
     retry_at: float | None = None  # monotonic: its budget is spent; it tries again then

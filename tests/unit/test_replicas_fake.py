@@ -185,7 +185,7 @@ def test_parked_streams_move_to_the_other_replica_while_draining(tmp_path):
 
         async def drain_then_kill():
             await wait_for(lambda: sum(len(r.current.pumps) for r in sup.replicas) == 4)
-            assert (await sup._on_control("drain", {}))["ok"]
+            assert (await sup.operations.on_control("drain", {}))["ok"]
             moved.append(len(sup.replicas[0].current.pumps))
             kill(sup, 0)
 
@@ -206,7 +206,7 @@ def test_parked_streams_move_to_the_other_replica_while_draining(tmp_path):
         builder.gate.set()
         await wait_for(lambda: sup.replicas[0].serving())
         assert builder.rebuilds_done == [3] and sup.replicas[1].current.number == 2
-        assert (await sup._on_control("resume", {}))["ok"]
+        assert (await sup.operations.on_control("resume", {}))["ok"]
         sup.post(SignalReceived(signal.SIGTERM))
         assert await owner == 0
 
@@ -224,9 +224,9 @@ def test_restart_rebuilds_replicas_one_after_another_while_the_other_serves(tmp_
             prompts = [[9, i] for i in range(4)]
             tasks = [asyncio.create_task(stream(sup, p, 150, f"e{i}")) for i, p in enumerate(prompts)]
             await wait_for(lambda: sum(len(r.current.pumps) for r in sup.replicas) == 4)
-            assert (await sup._on_control("restart", {}))["ok"]
+            assert (await sup.operations.on_control("restart", {}))["ok"]
             assert await asyncio.gather(*tasks) == [reference(p, 150) for p in prompts]
-            await wait_for(lambda: not sup._busy() and all(r.serving() for r in sup.replicas), timeout_s=15)
+            await wait_for(lambda: not sup.operations.busy() and all(r.serving() for r in sup.replicas), timeout_s=15)
         finally:
             SlowRebuilds.rebuild_s = 1.5
         assert sorted(r.current.number for r in sup.replicas) == [3, 4]

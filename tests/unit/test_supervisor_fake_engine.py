@@ -577,12 +577,12 @@ def test_reload_edge_cases(tmp_path):
         await wait_for(lambda: sup.state is State.READY)
 
         current["s"] = settings(tmp_path, max_restarts=9, drain_timeout_s=3)
-        sup._on_reload()
+        sup.operations.on_reload()
         assert sup.cfg.max_restarts == 9 and sup.replicas[0].intensity.max_restarts == 9 and sup.cfg.drain_timeout_s == 3
         assert sup.state is State.READY and sup.generation_number == 1 and not sup.restarts
 
         current["s"] = ConfigError(["config error: supervisor.max_restarts = -1: too small"])
-        sup._on_reload()
+        sup.operations.on_reload()
         assert "max_restarts" in sup.config_error and sup.cfg.max_restarts == 9 and sup.state is State.READY
 
         sup.build_failures = 2
@@ -590,14 +590,14 @@ def test_reload_edge_cases(tmp_path):
         sup.post(EngineFailed(1, "worker_death", "x"))
         await wait_for(lambda: sup.state is State.RECOVERING)
         current["s"] = settings(tmp_path, max_restarts=1)
-        sup._on_reload()  # ignored: nothing to rebuild behind while recovering
+        sup.operations.on_reload()  # ignored: nothing to rebuild behind while recovering
         assert sup.cfg.max_restarts == 9
         await wait_for(lambda: sup.state is State.READY)
 
         current["s"] = settings(tmp_path, max_restarts=9)
         current["args"] = fake_args(max_model_len=512)  # vllm serve's --max-model-len
         before = sup.generation_number
-        sup._on_reload()
+        sup.operations.on_reload()
         await wait_for(lambda: sup.state is State.READY and sup.generation_number == before + 1)
         assert sup.restarts["reload"] == 1 and sup.config_error == ""
         sup.post(SignalReceived(signal.SIGTERM))
@@ -648,7 +648,7 @@ async def serving_beside_a_gcs(tmp_path, **ray):
 def test_lost_gcs_parks_streams_and_the_rebuild_waits_until_it_listens_again(tmp_path):
     async def scenario():
         gcs, builder, sup, owner = await serving_beside_a_gcs(tmp_path, gcs_lost_after_s=0.3, reconnect_timeout_s=30)
-        assert sup.ray_status()["connected"] and builder.connects == 1
+        assert sup.cluster.status()["connected"] and builder.connects == 1
         lost = asyncio.Event()
 
         def lose_at_7(n):
@@ -669,7 +669,7 @@ def test_lost_gcs_parks_streams_and_the_rebuild_waits_until_it_listens_again(tmp
         await wait_for(lambda: sup.state is State.READY and sup.generation_number == 2, 10)
         assert await stream == reference([1, 2, 3], 40)  # the parked stream continued exactly
         assert sup.outcomes["continued"] == 1
-        assert builder.connects == 2 and not builder.cluster_lost and sup.ray_status()["connected"]
+        assert builder.connects == 2 and not builder.cluster_lost and sup.cluster.status()["connected"]
         assert sup.restarts["ray_lost"] == 1 and sup.recoveries[-1]["reason"] == "ray_lost"
         assert sup.metrics.ray_connected._value.get() == 1
         sup.post(SignalReceived(signal.SIGTERM))
