@@ -3,25 +3,24 @@ Ray agent that died on its own (OOM, a crash): both are a ``ClusterLost``.
 
 Every ``INTERVAL_S`` the daemon opens (and closes) a TCP connection to the GCS address it is
 connected to, on its event loop. A GCS that refuses or does not accept for
-``ray.gcs_lost_after_s`` on end is lost: one ``ClusterLost`` goes to the owner, which kills
-the Ray agent before a new GCS can answer it (``executor.rayagent`` says why) and waits for
-the cluster to come back. The watch never calls Ray: a Ray call to a GCS that is gone blocks
-for up to a minute, and one in flight when a new GCS starts on the address aborts its process.
+``ray.gcs_lost_after_s`` on end is lost: one ``ClusterLost`` is posted to the owner task, which
+kills the Ray agent before a new GCS can answer it (``executor.rayagent`` says why) and waits
+for the cluster to come back. The watch sees the daemon only through ``health.view.WatchView``,
+and never calls Ray: a Ray call to a GCS that is gone blocks for up to a minute, and one in
+flight when a new GCS starts on the address aborts its process.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
 
-from supervisor import logs
-from supervisor.events import ClusterLost
+import structlog
 
-if TYPE_CHECKING:
-    from supervisor.daemon import Supervisor
+from health.events import ClusterLost
+from health.view import WatchView
 
-log = logs.get_logger("vllm_supervisor.clusterwatch")
+log = structlog.get_logger("vllm_supervisor.clusterwatch")
 
 INTERVAL_S = 0.2
 CONNECT_TIMEOUT_S = 1.0
@@ -58,22 +57,21 @@ async def listening(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> str |
 
 
 class ClusterWatch:
-    def __init__(self, sup: "Supervisor"):
-        self.sup = sup
+    def __init__(self, view: WatchView):
+        self.view = view
         self.down_since: float | None = None  # first failed check of the current outage
 
     async def run(self) -> None:
-        sup = self.sup
+        view = self.view
         while True:
             await asyncio.sleep(INTERVAL_S)
-            builder = sup.builder
-            address = builder.gcs_address
-            if not address or builder.cluster_lost or sup.state.terminal:
+            address = view.gcs_address
+            if not address or view.cluster_lost or view.terminal():
                 self.down_since = None
                 continue
-            agent_pid = builder.agent_pid
-            if not builder.agent_alive():
-                sup.post(ClusterLost(address, "the Ray agent died", time.monotonic(), agent_pid))
+            agent_pid = view.agent_pid
+            if not view.agent_alive():
+                view.post(ClusterLost(address, "the Ray agent died", time.monotonic(), agent_pid))
                 continue
             problem = await listening(address)
             if problem is None:
@@ -83,6 +81,6 @@ class ClusterWatch:
             if self.down_since is None:
                 self.down_since = now
                 log.warning("ray gcs not answering", address=address, problem=problem)
-            if now - self.down_since >= sup.settings.ray.gcs_lost_after_s and not builder.cluster_lost:
-                sup.post(ClusterLost(address, problem, self.down_since, agent_pid))  # the owner ignores repeats
+            if now - self.down_since >= view.gcs_lost_after_s and not view.cluster_lost:
+                view.post(ClusterLost(address, problem, self.down_since, agent_pid))  # the owner ignores repeats
                 self.down_since = None

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from typing import Any, Callable
+from typing import Callable
 
 
 class SystemdNotifier:
@@ -56,13 +56,11 @@ class SystemdNotifier:
         self.send(f"EXTEND_TIMEOUT_USEC={int(seconds * 1e6)}")
 
 
-async def watchdog_loop(notifier: SystemdNotifier, state: "Callable[[], Any]") -> None:
+async def watchdog_loop(notifier: SystemdNotifier, starting: Callable[[], bool], terminal: Callable[[], bool]) -> None:
     """WATCHDOG=1 every WATCHDOG_USEC/2 from the event loop itself (a stuck loop stops them)
-    and only while the daemon is not terminal; EXTEND_TIMEOUT_USEC while the first engine
-    starts. ``state()`` returns the daemon's ``supervisor.states.State``."""
+    and only while the daemon is not ``terminal()``; EXTEND_TIMEOUT_USEC while ``starting()``
+    (the first engine is being built)."""
     import asyncio
-
-    from supervisor.states import State
 
     if not notifier.enabled:
         return
@@ -70,11 +68,10 @@ async def watchdog_loop(notifier: SystemdNotifier, state: "Callable[[], Any]") -
     tick = min(interval, 10.0) if interval else 10.0
     last_ping = 0.0
     while True:
-        now_state = state()
-        if now_state is State.STARTING:
+        if starting():
             notifier.extend_timeout(3 * tick)
         now = time.monotonic()
-        if interval and now - last_ping >= interval and not now_state.terminal:
+        if interval and now - last_ping >= interval and not terminal():
             notifier.watchdog()
             last_ping = now
         await asyncio.sleep(tick)

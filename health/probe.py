@@ -18,24 +18,23 @@ Ray cluster does not answer a Ray call (a hung GCS: its port still accepts, so
 nothing between canaries: a canary step does not leave the workers spinning, ``executor.canary``;
 a request that finds a hung idle engine is a busy engine's case, found after ``hang_timeout_s``).
 ``probe_failure_threshold`` consecutive failures of a replica make one ``EngineFailed``.
+
+The probe sees the daemon only through ``health.view.ProbeView``, and reports by posting.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import structlog
 
 from executor.canary import CANARY_PREFIX
-from supervisor import aio, logs
-from supervisor.events import ClusterLost, EngineFailed
-from supervisor.generation import Interrupted
-from supervisor.states import State
+from health.events import ClusterLost, EngineFailed
+from health.view import ProbeView
 
-if TYPE_CHECKING:
-    from supervisor.daemon import Supervisor
-
-log = logs.get_logger("vllm_supervisor.probe")
+log = structlog.get_logger("vllm_supervisor.probe")
 
 STALL_CHECK_S = 0.5  # how often a busy engine's step clock is read (a float compare per replica)
 CONFIRM_S = 0.2  # a stall is read again this much later before it is a hang
@@ -65,8 +64,8 @@ def _is_canary(task: Any) -> bool:
 
 
 class EngineProbe:
-    def __init__(self, sup: "Supervisor"):
-        self.sup = sup
+    def __init__(self, view: ProbeView):
+        self.view = view
         self.last_s: float | None = None
         self.last_ok_wall: float | None = None
         self._reach_check: asyncio.Future | None = None
@@ -75,7 +74,7 @@ class EngineProbe:
     @property
     def failures(self) -> int:
         """The most consecutive failures of any replica."""
-        return max(r.probe_failures for r in self.sup.replicas)
+        return max(r.probe_failures for r in self.view.replicas)
 
     def status(self) -> dict[str, Any]:
         return {"consecutive_failures": self.failures, "last_duration_s": self.last_s,
@@ -89,30 +88,29 @@ class EngineProbe:
                 task.cancel()
 
     async def _loop(self) -> None:
-        sup = self.sup
-        next_probe = time.monotonic() + sup.cfg.probe_interval_s
+        view = self.view
+        next_probe = time.monotonic() + view.cfg.probe_interval_s
         while True:
-            await asyncio.sleep(min(STALL_CHECK_S, sup.cfg.probe_interval_s))
+            await asyncio.sleep(min(STALL_CHECK_S, view.cfg.probe_interval_s))
             probe_now = time.monotonic() >= next_probe
             if probe_now:
-                next_probe = time.monotonic() + sup.cfg.probe_interval_s
-            client = sup.client
-            for rep in sup.replicas:
-                if sup.state is not State.READY or not rep.serving() or client.holds:
+                next_probe = time.monotonic() + view.cfg.probe_interval_s
+            for rep in view.replicas:
+                if not view.ready() or not rep.serving() or view.held():
                     # a new generation starts with a clean slate; a paused or sleeping engine
                     # (vLLM's pause_generation / sleep) is still on purpose, and so is its canary
                     rep.probe_failures = 0
                     continue
                 gen = rep.current
-                if stalled(gen, sup.cfg.hang_timeout_s, since=client.released_monotonic) is not None:
+                if stalled(gen, view.cfg.hang_timeout_s, since=view.released_monotonic) is not None:
                     # Once more after the loop ran a while: a daemon loop that was itself held up
                     # has step reports queued for it, which must be read before anything is hung.
                     await asyncio.sleep(CONFIRM_S)
-                    problem = None if client.holds else stalled(gen, sup.cfg.hang_timeout_s, since=client.released_monotonic)
-                    if problem is not None and not gen.failed and gen is rep.current and sup.state is State.READY:
+                    problem = None if view.held() else stalled(gen, view.cfg.hang_timeout_s, since=view.released_monotonic)
+                    if problem is not None and not gen.failed and gen is rep.current and view.ready():
                         rep.probe_failures = 0  # the wait is itself the evidence: no threshold
                         log.warning("probe failed", problem=problem, replica=rep.index)
-                        sup.post(EngineFailed(gen.number, "hang", problem, kill_workers=True))
+                        view.post(EngineFailed(gen.number, "hang", problem, kill_workers=True))
                     continue
                 if probe_now and (rep.index not in self._probes or self._probes[rep.index].done()):
                     # the replicas' probes run side by side, and beside the stall checks: a hung
@@ -120,7 +118,7 @@ class EngineProbe:
                     self._probes[rep.index] = asyncio.ensure_future(self.probe(rep))
 
     async def probe(self, rep: Any) -> None:
-        sup, gen = self.sup, rep.current
+        view, gen = self.view, rep.current
         try:
             problem = await self.check(gen)
         except Exception as exc:
@@ -130,28 +128,29 @@ class EngineProbe:
             return
         if problem.startswith("dead:"):
             rep.probe_failures = 0
-            sup.post(EngineFailed(gen.number, "engine_dead", problem))
+            view.post(EngineFailed(gen.number, "engine_dead", problem))
             return
         rep.probe_failures += 1
         log.warning("probe failed", problem=problem, consecutive=rep.probe_failures, replica=rep.index)
-        if rep.probe_failures >= sup.cfg.probe_failure_threshold and gen is rep.current and not gen.failed:
+        if rep.probe_failures >= view.cfg.probe_failure_threshold and gen is rep.current and not gen.failed:
             rep.probe_failures = 0
             if problem.startswith("ray cluster"):  # a GCS that accepts but does not answer: lost too
-                sup.post(ClusterLost(sup.builder.gcs_address, problem, agent_pid=sup.builder.agent_pid))
+                view.post(ClusterLost(view.gcs_address, problem, agent_pid=view.agent_pid))
             else:
-                sup.post(EngineFailed(gen.number, "hang", problem, kill_workers=True))
+                view.post(EngineFailed(gen.number, "hang", problem, kill_workers=True))
 
     async def check(self, gen: Any) -> str | None:
-        sup, cfg = self.sup, self.sup.cfg
+        view, cfg = self.view, self.view.cfg
         if gen.engine.errored:
             return "dead: engine reported errored"
-        if sup.builder.cluster is not None:
+        if view.has_cluster():
             # At most one check in flight: a GCS that is gone can block the call for a minute.
             if self._reach_check is None or self._reach_check.done():
-                self._reach_check = asyncio.ensure_future(asyncio.to_thread(sup.builder.reachable))
+                self._reach_check = asyncio.ensure_future(asyncio.to_thread(view.reachable))
             try:
-                reachable = await aio.wait_for(asyncio.shield(self._reach_check), cfg.probe_timeout_s)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(cfg.probe_timeout_s):  # not asyncio.wait_for: supervisor.aio says why
+                    reachable = await asyncio.shield(self._reach_check)
+            except TimeoutError:
                 reachable = False
             if not reachable:
                 return "ray cluster unreachable"
@@ -162,13 +161,13 @@ class EngineProbe:
         started = time.monotonic()
         try:
             async with asyncio.timeout(cfg.probe_timeout_s):
-                await sup.client.canary(gen)
+                finished = await view.canary(gen)
         except TimeoutError:
             return f"canary generation took longer than {cfg.probe_timeout_s:g} s"
-        except Interrupted:
+        if not finished:  # its generation was failed meanwhile: nothing to judge, nothing to record
             return None
         self.last_s = time.monotonic() - started
         self.last_ok_wall = time.time()
-        sup.metrics.probe_latency.labels(str(gen.replica)).observe(self.last_s)
-        sup.metrics.probe_last_success.labels(str(gen.replica)).set(self.last_ok_wall)
+        view.metrics.probe_latency.labels(str(gen.replica)).observe(self.last_s)
+        view.metrics.probe_last_success.labels(str(gen.replica)).set(self.last_ok_wall)
         return None

@@ -28,17 +28,15 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import zmq
-import zmq.asyncio
-
 from config import Settings
-from executor.events import WorkerDeathEvent
 from health.metrics import SupervisorMetrics, death_cause
 from health.notify import SystemdNotifier, watchdog_loop
 from health.clusterwatch import ClusterWatch
+from health.deaths import listen_for_worker_deaths
 from health.probe import EngineProbe
 from supervisor import aio, logs
 from supervisor.builder import EngineBuilder
+from supervisor.detector_view import DetectorView
 from supervisor.engine_client import SupervisedEngineClient
 from supervisor.events import (
     ClusterLost, ControlCommand, EngineFailed, Event, RecoveryFinished, ReloadRequested, SignalReceived, StopFinished,
@@ -74,8 +72,9 @@ class Supervisor:
         self._announced_ready = False
         self.client = SupervisedEngineClient(self)
         self.front: Any = None  # supervisor.http.Front, when one serves this daemon
-        self.probe = EngineProbe(self)
-        self.clusterwatch = ClusterWatch(self)
+        detectors = DetectorView(self)  # all the probe and the cluster watch see of this daemon
+        self.probe = EngineProbe(detectors)
+        self.clusterwatch = ClusterWatch(detectors)
         # The standby prepares one next generation, for whichever replica fails first. Its workers
         # are the V2 executor's: the compiled-graph executor cannot adopt them.
         self.standby = Standby(self.builder, self.metrics, enabled=self.cfg.standby == "warm"
@@ -187,9 +186,10 @@ class Supervisor:
 
         loop = asyncio.get_running_loop()
         self._install_signal_handlers()
-        background = [self.spawn(self._listen_for_worker_deaths()), self.spawn(self.probe.run()),
-                      self.spawn(self.clusterwatch.run()),
-                      self.spawn(watchdog_loop(self.notifier, lambda: self.state))]
+        background = [self.spawn(listen_for_worker_deaths(self.event_endpoint, self.post)),
+                      self.spawn(self.probe.run()), self.spawn(self.clusterwatch.run()),
+                      self.spawn(watchdog_loop(self.notifier, lambda: self.state is State.STARTING,
+                                               lambda: self.state.terminal))]
         if self.control_socket:
             background.append(self.spawn(serve_control(self.control_socket, self.full_status, self._submit)))
         try:
@@ -238,23 +238,6 @@ class Supervisor:
         future = asyncio.get_running_loop().create_future()
         self.post(ControlCommand(cmd, args, future))
         return await future
-
-    async def _listen_for_worker_deaths(self) -> None:
-        sock = zmq.asyncio.Context.instance().socket(zmq.PULL)
-        sock.bind(self.event_endpoint)
-        os.chmod(self.event_endpoint.removeprefix("ipc://"), 0o600)
-        try:
-            while True:
-                raw = await sock.recv()
-                try:
-                    ev = WorkerDeathEvent.from_json(raw)
-                except (ValueError, TypeError) as exc:
-                    log.warning("malformed executor event", error=str(exc))
-                    continue
-                detail = f"rank(s) {ev.ranks} ({', '.join(ev.actor_names)}): {ev.cause}"
-                self.post(EngineFailed(ev.generation, "worker_death", detail, ev.detected_monotonic, ranks=tuple(ev.ranks)))
-        finally:
-            sock.close(linger=0)
 
     # --- helpers ------------------------------------------------------------------
 

@@ -51,3 +51,34 @@ def test_a_reader_that_falls_behind_never_blocks_the_sender(tmp_path):
         n.watchdog()
     assert time.monotonic() - started < 2.0
     server.close()
+
+
+def test_watchdog_loop_extends_while_starting_and_stops_pinging_when_terminal(monkeypatch, tmp_path):
+    import asyncio
+
+    from health.notify import watchdog_loop
+
+    path = str(tmp_path / "wd.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    server.bind(path)
+    server.setblocking(False)
+    monkeypatch.setenv("WATCHDOG_USEC", "200000")  # a ping every 0.1 s
+    monkeypatch.delenv("WATCHDOG_PID", raising=False)
+    n = SystemdNotifier(path)
+    state = {"starting": True, "terminal": False}
+
+    async def run_for(seconds):
+        loop = asyncio.create_task(watchdog_loop(n, lambda: state["starting"], lambda: state["terminal"]))
+        await asyncio.sleep(seconds)
+        loop.cancel()
+        got = []
+        while True:
+            try:
+                got.append(server.recv(4096).decode())
+            except BlockingIOError:
+                return got
+
+    got = asyncio.run(run_for(0.25))
+    assert "EXTEND_TIMEOUT_USEC=300000" in got and "WATCHDOG=1" in got, got
+    state.update(starting=False, terminal=True)
+    assert asyncio.run(run_for(0.25)) == []
