@@ -239,11 +239,6 @@ class EngineBuilder:
             rings &= building
         return rings
 
-    def new_detokenizer(self, tokenizer: Any, prompt_token_ids: list[int], params: Any, request_id: str) -> Any:
-        from executor.engine import new_detokenizer
-
-        return new_detokenizer(tokenizer, prompt_token_ids, params, request_id)
-
     def teardown(self, gen: Generation) -> None:
         from executor.engine import engine_core_pids, engine_worker_pids, kill_pids, shutdown_engine
         from executor.procfs import running

@@ -12,6 +12,16 @@ class NotContinuable(Exception):
     """The request cannot be continued exactly; the client should retry it."""
 
 
+def continuation_input(prompt: Any, prompt_ids: list[int], delivered: list[int]) -> dict[str, Any]:
+    """The engine input that resumes a request: its prompt tokens + the delivered tokens."""
+    if isinstance(prompt, dict) and prompt.get("type", "token") != "token":
+        raise NotContinuable(f"{prompt['type']} prompts are not continued")
+    out: dict[str, Any] = {"type": "token", "prompt_token_ids": list(prompt_ids) + list(delivered)}
+    if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
+        out["cache_salt"] = prompt["cache_salt"]
+    return out
+
+
 def why_not_continuable(params: Any) -> str | None:
     """The reason a request with ``params`` cannot be continued token-exactly, or None."""
     if getattr(params, "n", 1) != 1:

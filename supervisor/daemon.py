@@ -71,7 +71,6 @@ class Supervisor:
         self.notifier = SystemdNotifier()
         self._announced_ready = False
         self.client = SupervisedEngineClient(self)
-        self.front: Any = None  # supervisor.http.Front, when one serves this daemon
         detectors = DetectorView(self)  # all the probe and the cluster watch see of this daemon
         self.probe = EngineProbe(detectors)
         self.clusterwatch = ClusterWatch(detectors)
@@ -103,6 +102,10 @@ class Supervisor:
     @property
     def state(self) -> State:
         return self.machine.state
+
+    @property
+    def reason(self) -> str:
+        return self.machine.reason
 
     @property
     def generation_number(self) -> int:
@@ -145,21 +148,10 @@ class Supervisor:
     def serving(self, not_gen: Generation | None = None) -> bool:
         return self.pick(not_gen) is not None
 
-    @property
-    def ready(self) -> bool:
-        """Serving, a serving replica's last probe passed, and the HTTP front has vLLM's app
-        (what ``/readyz`` and load balancers see)."""
-        front_up = self.front is None or self.front.current
-        return (self.state is State.READY and front_up
-                and any(r.serving() and r.probe_failures == 0 for r in self.replicas))
-
-    # --- for the request path -----------------------------------------------------------
+    # --- for the request path (``supervisor.dispatch.Dispatcher``) ------------------------
 
     def engine_died(self, gen: Generation, detail: str) -> None:
         self.post(EngineFailed(gen.number, "engine_dead", detail))
-
-    def new_detokenizer(self, prompt_token_ids: list[int], params: Any, request_id: str) -> Any:
-        return self.builder.new_detokenizer(self.client.tokenizer, prompt_token_ids, params, request_id)
 
     def count_outcome(self, outcome: str) -> None:
         self.outcomes[outcome] += 1

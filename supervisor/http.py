@@ -18,17 +18,42 @@ import asyncio
 import copy
 import json
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Protocol
 
 import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from supervisor import input_guards, logs
+from supervisor.dispatch import Dispatcher, ready
 from supervisor.states import State
+
+if TYPE_CHECKING:
+    from config import Settings
+    from supervisor.engine_client import SupervisedEngineClient
 
 log = logs.get_logger("vllm_supervisor.http")
 
 _OURS = ("/livez", "/readyz", "/metrics", "/metrics/supervisor")
+
+
+class Daemon(Dispatcher, Protocol):
+    """The daemon as the front sees it: the request path's view, plus the request path itself
+    and what the front's own answers read (current keys and settings, so a reload applies at
+    once)."""
+
+    @property
+    def client(self) -> SupervisedEngineClient: ...
+
+    @property
+    def api_keys(self) -> list[str]: ...
+
+    @property
+    def engine_args(self) -> Any: ...
+
+    @property
+    def settings(self) -> Settings: ...
+
+    def status(self) -> dict[str, Any]: ...
 
 
 class _Server(uvicorn.Server):
@@ -39,7 +64,7 @@ class _Server(uvicorn.Server):
         yield
 
 
-def _auth_middleware(sup: Any) -> type:
+def _auth_middleware(sup: Daemon) -> type:
     from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
 
     class RotatingKeys(AuthenticationMiddleware):
@@ -78,9 +103,8 @@ async def _respond(send: Any, status: int, body: bytes, content_type: str, heade
 
 
 class Front:
-    def __init__(self, sup: Any, args: Any):
+    def __init__(self, sup: Daemon, args: Any):
         self.sup = sup
-        sup.front = self
         self.args = args
         self.app: Any = None
         self.version = 0  # the request path's config_version the app was built on
@@ -138,6 +162,12 @@ class Front:
     def current(self) -> bool:
         """vLLM's app is built on the request path's current model config."""
         return self.app is not None and self.version == self.sup.client.config_version
+
+    @property
+    def ready(self) -> bool:
+        """What ``/readyz`` answers: the daemon serves (``supervisor.dispatch.ready``) and vLLM's
+        app here is built on the current model config."""
+        return ready(self.sup, self.current)
 
     async def _build_when_ready(self) -> None:
         """vLLM's app, once the first engine gave the request path its model config; built
@@ -242,7 +272,7 @@ class Front:
 
     async def _unavailable(self, send: Any) -> None:
         sup = self.sup
-        body = {"error": {"message": f"no engine serving yet: daemon is {sup.state.value} ({sup.machine.reason})",
+        body = {"error": {"message": f"no engine serving yet: daemon is {sup.state.value} ({sup.reason})",
                           "type": "Service Unavailable", "param": None, "code": 503}}
         await _respond(send, 503, json.dumps(body).encode(), "application/json", retry_later(b"5"))
 
@@ -255,8 +285,9 @@ class Front:
             body = sup.status()
             if b"verbose" not in scope.get("query_string", b""):
                 body = {k: body[k] for k in ("state", "generation", "reason", "in_flight", "recoveries")}
-            return await _respond(send, 200 if sup.ready else 503, json.dumps(body, default=str).encode(),
-                                  "application/json", [] if sup.ready else retry_later(b"5"))
+            up = self.ready
+            return await _respond(send, 200 if up else 503, json.dumps(body, default=str).encode(),
+                                  "application/json", [] if up else retry_later(b"5"))
         ours = generate_latest(sup.metrics.registry)
         body = ours if path == "/metrics/supervisor" else generate_latest(REGISTRY) + ours
         return await _respond(send, 200, body, CONTENT_TYPE_LATEST)

@@ -15,7 +15,7 @@ then tries again ("waiting"); the daemon fails (exit 3) only when no replica ser
 (``supervisor.routing``, ``routing = "prefix"``, the default) unless that one is loaded past
 a bound, else to the serving replica with the fewest streams running (least outstanding
 requests); when a replica fails, its streams are parked and ``pick`` gives them another
-serving replica at once (live migration: ``supervisor.engine_client`` continues them with
+serving replica at once (live migration: ``supervisor.stream`` continues them with
 prompt + delivered tokens, exactly as after a single-engine recovery).
 """
 

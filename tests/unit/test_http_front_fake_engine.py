@@ -95,7 +95,7 @@ class FakeEngine:
 
 
 class HttpBuilder(FakeBuilder):
-    """The fake builder with the demo model's real front (renderer, tokenizer, detokenizer)."""
+    """The fake builder with the demo model's real front (renderer, tokenizer)."""
 
     build_s = 0.0
 
@@ -116,11 +116,6 @@ class HttpBuilder(FakeBuilder):
     def front(self, engine):
         return self.renderer, self.input_processor
 
-    def new_detokenizer(self, tokenizer, prompt_token_ids, params, request_id):
-        from executor.engine import new_detokenizer
-
-        return new_detokenizer(tokenizer, prompt_token_ids, params, request_id)
-
 
 async def started(tmp_path, build_s=0.0, **supervisor):
     args, vllm_config = demo_front()
@@ -130,7 +125,7 @@ async def started(tmp_path, build_s=0.0, **supervisor):
     builder.build_s = build_s
     builder.engine_args = args
     supervisor.setdefault("standby", "none")  # the standby's logic: test_standby_fake.py
-    sup = FakeSupervisor(settings(tmp_path, **supervisor), builder=builder)
+    sup = FakeSupervisor(settings(tmp_path, **supervisor), builder=builder, detokenizer=None)
     owner = asyncio.create_task(sup.run())
     await wait_for(lambda: sup.state is State.READY)
     front = Front(sup, args)

@@ -12,6 +12,7 @@ import time
 from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
 
+from supervisor.dispatch import ready
 from supervisor.events import EngineFailed, SignalReceived
 from supervisor.replica import pick
 from supervisor.states import State
@@ -302,7 +303,7 @@ def test_a_replica_that_cannot_be_built_waits_while_the_other_serves(tmp_path):
         status = sup.status()["replicas"][1]
         assert status["state"] == "waiting" and 0 < status["retry_in_s"] <= 1.5, status
         assert "not placed" in status["last_error"] and budget_spent(sup, 1) == 1
-        assert sup.state is State.READY and sup.ready
+        assert sup.state is State.READY and ready(sup)
         prompts = [[5, i] for i in range(3)]
         assert await asyncio.gather(*(stream(sup, p, 20, f"w{i}") for i, p in enumerate(prompts))) == \
             [reference(p, 20) for p in prompts]

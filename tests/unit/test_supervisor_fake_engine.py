@@ -17,6 +17,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 
 from config import load_settings
 from supervisor.daemon import EXIT_FAILED, EngineUnavailable, Generation, RequestFailed, Supervisor
+from supervisor.dispatch import ready
 from supervisor.events import EngineFailed, SignalReceived
 from supervisor.states import State
 
@@ -126,6 +127,11 @@ class FakeDetokenizer:
         return self.output_text if finished or not self.hold else self.output_text[: -self.hold]
 
 
+def fake_detokenizer(tokenizer, prompt_token_ids, params, request_id):
+    """The request path's seam detokenizer over the fake engines' tokens."""
+    return FakeDetokenizer(params)
+
+
 def fake_args(**changes):
     """The parts of vLLM's serve Namespace the owner reads."""
     return SimpleNamespace(**{"api_key": None, "model": "/fake", "served_model_name": ["fake"], "host": "127.0.0.1",
@@ -227,9 +233,6 @@ class FakeBuilder:
     def cleanup_failed_build(self, number):
         pass
 
-    def new_detokenizer(self, tokenizer, prompt_token_ids, params, request_id):
-        return FakeDetokenizer(params)
-
     def teardown(self, gen):
         gen.engine.shutdown()
         self.torn_down.append(gen.number)
@@ -255,10 +258,12 @@ class FakeBuilder:
 class FakeSupervisor(Supervisor):
     """The real owner and request path over a ``FakeBuilder``."""
 
-    def __init__(self, settings, build_failures: int = 0, reload_settings=None, builder=None):
+    def __init__(self, settings, build_failures: int = 0, reload_settings=None, builder=None, detokenizer=fake_detokenizer):
         builder = builder or FakeBuilder(build_failures)
         super().__init__(settings, builder.engine_args, registry=CollectorRegistry(),
                          reload_settings=reload_settings, builder=builder)
+        if detokenizer is not None:  # None: vLLM's, over the request path's real tokenizer
+            self.client.new_detokenizer = detokenizer
 
     engines = property(lambda self: self.builder.engines)
     torn_down = property(lambda self: self.builder.torn_down)
@@ -660,7 +665,7 @@ def test_lost_gcs_parks_streams_and_the_rebuild_waits_until_it_listens_again(tmp
         await lost.wait()
         await gcs.stop()
         await wait_for(lambda: builder.cluster_lost and sup.state is State.RECOVERING, 5)
-        assert "ray cluster lost" in sup.machine.reason and not sup.ready
+        assert "ray cluster lost" in sup.machine.reason and not ready(sup)
         await asyncio.sleep(1.0)  # the GCS is still down: nothing is built, nothing reconnects
         assert sup.generation_number == 0 and builder.connects == 1 and len(sup.engines) == 1
         assert sup.status()["ray"]["connected"] is False and sup.status()["ray"]["lost_for_s"] >= 1.0

@@ -1,0 +1,63 @@
+"""What the request path sees of the daemon: a ``Dispatcher`` protocol, and readiness.
+
+The request path (``supervisor.engine_client``, ``supervisor.stream``, ``supervisor.admission``)
+and the HTTP front depend on this view, not on the lifecycle owner
+(``supervisor.daemon.Supervisor``, which implements it): the daemon's state and why, which
+generation a request goes to now, the serving replicas, the "something changed" event, the
+settings they read, and the two reports a request makes (its outcome; an engine it saw die).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
+
+from supervisor.states import State
+
+if TYPE_CHECKING:
+    from config.settings import SupervisorSettings
+    from health.metrics import SupervisorMetrics
+    from supervisor.generation import Generation
+    from supervisor.replica import Replica
+
+
+class Dispatcher(Protocol):
+    """The daemon as the request path sees it (read-only, but for the two reports)."""
+
+    @property
+    def state(self) -> State: ...
+
+    @property
+    def reason(self) -> str:
+        """Why the daemon is in ``state`` (said in every 503)."""
+
+    @property
+    def cfg(self) -> SupervisorSettings: ...
+
+    @property
+    def replicas(self) -> Sequence[Replica]: ...
+
+    @property
+    def changed(self) -> asyncio.Event:
+        """Pulsed on every transition: admission and held streams wait on it."""
+
+    @property
+    def metrics(self) -> SupervisorMetrics: ...
+
+    def pick(self, not_gen: Generation | None = None, parked: bool = False,
+             token_ids: Any = None) -> Generation | None:
+        """The generation a request goes to now, other than ``not_gen``; None if none serves."""
+
+    def serving(self) -> bool: ...
+
+    def count_outcome(self, outcome: str) -> None: ...
+
+    def engine_died(self, gen: Generation, detail: str) -> None:
+        """A request saw ``gen``'s engine die (the owner recovers it)."""
+
+
+def ready(d: Dispatcher, app_current: bool = True) -> bool:
+    """What ``/readyz`` and load balancers see: READY, the HTTP front has vLLM's app built on
+    the current model config (``app_current``), and a serving replica's last probe passed."""
+    return (d.state is State.READY and app_current
+            and any(r.serving() and r.probe_failures == 0 for r in d.replicas))

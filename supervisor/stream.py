@@ -1,0 +1,228 @@
+"""One request's stream across engine failures.
+
+A request is admitted to a serving generation (``supervisor.admission``) and its engine's
+stream runs in a task of its own, so that a recovery can interrupt it (a hung engine never
+raises by itself). When that generation fails mid-stream the request is parked and continued
+with prompt + delivered tokens (``supervisor.continuation``) on another serving replica at
+once, else on the replica's next generation, so that what the client reads equals a
+fault-free run. A request that sees its engine die says so (``Dispatcher.engine_died``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+from typing import Any, AsyncGenerator, AsyncIterator, Callable, Iterable
+
+from vllm.sampling_params import RequestOutputKind
+
+from supervisor import logs, testhooks
+from supervisor.admission import Admission
+from supervisor.continuation import (
+    NotContinuable, SeamText, continuation_input, continuation_params, why_not_continuable,
+)
+from supervisor.dispatch import Dispatcher
+from supervisor.generation import Generation, Interrupted, RequestFailed, is_engine_death
+from supervisor.states import State
+
+log = logs.get_logger("vllm_supervisor.requests")
+
+_END = object()
+
+
+class Streams:
+    """The streams of one request path (``SupervisedEngineClient``). ``detokenizer(prompt_ids,
+    params, request_id)`` builds the incremental detokenizer a seam continues the text with;
+    ``tokenizer()`` is the request path's current tokenizer (for the test hook)."""
+
+    def __init__(self, dispatcher: Dispatcher, admission: Admission,
+                 detokenizer: Callable[[list[int], Any, str], Any], tokenizer: Callable[[], Any]):
+        self.d = dispatcher
+        self.admission = admission
+        self._detokenizer = detokenizer
+        self._tokenizer = tokenizer
+        self.in_flight = 0
+        self.held = 0  # streams stopped by the test hook
+        self.test_hooks = testhooks.enabled()  # False in production
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self._live: dict[str, tuple[Generation, str]] = {}  # client request id -> (generation, engine id)
+
+    async def run(self, prompt: Any, sampling_params: Any, request_id: str,
+                  kwargs: dict[str, Any]) -> AsyncGenerator[Any, None]:
+        """Stream ``RequestOutput``s; across a recovery the stream continues on the next
+        engine with prompt + delivered tokens.
+
+        After a seam the text and the stop strings come from a ``SeamText`` that has seen
+        the original prompt and every delivered token; the new engine supplies token ids.
+        The front's non-streaming mode (``FINAL_ONLY``) is run as a stream here and answered
+        with one output at the end, so it continues mid-way too; when it cannot be
+        continued it is run as asked and, interrupted, simply runs again (nothing was sent)."""
+        d = self.d
+        params = sampling_params
+        final_only = (params.output_kind == RequestOutputKind.FINAL_ONLY and params.n == 1
+                      and why_not_continuable(params) is None)
+        if final_only:
+            params = copy.copy(params)
+            params.output_kind = RequestOutputKind.DELTA
+        pristine = copy.deepcopy(params)
+        delta = params.output_kind == RequestOutputKind.DELTA
+        prompt_ids: list[int] | None = None
+        first_prompt_text: str | None = None
+        delivered: list[int] = []
+        delivered_text: list[str] = []
+        yielded = seen_output = False
+        first_prompt_logprobs: Any = None
+        seam: SeamText | None = None
+        hold_after = testhooks.hold_midchar_after(params) if self.test_hooks else None
+        attempt = 0
+        dead: Generation | None = None  # the generation this request last saw fail
+        arrived = last = time.monotonic()
+        m = d.metrics
+        n_prompt = len(prompt.get("prompt_token_ids") or ()) if isinstance(prompt, dict) else None
+        log.info("request", request_id=request_id, prompt_tokens=n_prompt, max_tokens=params.max_tokens,
+                 n=params.n, output_kind=params.output_kind.name)
+        self.admission.claim_reservation()
+        self.in_flight += 1
+        self.idle.clear()
+        try:
+            while True:
+                route_ids = prompt_ids or (prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None)
+                gen = await self.admission.admit(parked=attempt > 0, not_gen=dead, token_ids=route_ids)
+                try:
+                    if not yielded and not delivered:
+                        sub, engine_prompt, kw = copy.deepcopy(pristine), prompt, kwargs
+                    else:
+                        if not delta or params.n != 1:  # a FINAL_ONLY output is only yielded at the end
+                            raise NotContinuable("n > 1" if params.n != 1 else f"output kind {params.output_kind.name}")
+                        sub = continuation_params(pristine, len(delivered))
+                        engine_prompt = continuation_input(prompt, prompt_ids or [], delivered)
+                        kw = {k: v for k, v in kwargs.items() if k not in ("prompt_text", "tokenization_kwargs")}
+                        if seam is None:
+                            seam = SeamText(self._detokenizer(prompt_ids or [], pristine, request_id),
+                                            delivered, "".join(delivered_text))
+                except NotContinuable as exc:
+                    d.count_outcome("failed")
+                    raise RequestFailed(f"request interrupted by an engine failure and cannot be continued exactly ({exc}); retry it") from None
+                rid = request_id if attempt == 0 else f"{request_id}-c{attempt}"
+                stream = self.pump(gen, engine_prompt, sub, rid, kw, client_id=request_id)
+                try:
+                    async for out in stream:
+                        c = out.outputs[0]
+                        if prompt_ids is None:
+                            prompt_ids, first_prompt_text = list(out.prompt_token_ids or []), getattr(out, "prompt", None)
+                            first_prompt_logprobs = getattr(out, "prompt_logprobs", None)
+                        if seam is not None:
+                            c.text, c.token_ids, c.finish_reason, c.stop_reason = seam.step(
+                                c.token_ids, c.finish_reason, c.stop_reason)
+                            out.prompt_token_ids, out.prompt, out.prompt_logprobs = prompt_ids, first_prompt_text, None
+                            out.finished = c.finish_reason is not None
+                        ids = c.token_ids
+                        now = time.monotonic()
+                        if not seen_output:
+                            seen_output = True
+                            m.ttft.observe(now - arrived)
+                        elif ids:
+                            m.itl.observe((now - last) / len(ids))
+                        last = now
+                        if delta:
+                            delivered += ids
+                            delivered_text.append(c.text)
+                        if final_only and out.finished:  # one output at the end, as the front asked
+                            c.text, c.token_ids = "".join(delivered_text), list(delivered)
+                            out.prompt_logprobs = first_prompt_logprobs
+                        if out.finished or not final_only:
+                            yielded = True
+                            yield out
+                        if out.finished:
+                            break  # a stop string found across the seam ends the request here
+                        if hold_after is not None and attempt == 0:
+                            await self._maybe_hold(gen, delivered, hold_after)
+                    m.e2e.observe(time.monotonic() - arrived)
+                    d.count_outcome("continued" if attempt else "ok")
+                    log.info("request done", request_id=request_id, attempts=attempt + 1,
+                             delivered_tokens=len(delivered) if delta else None)
+                    return
+                except Interrupted:
+                    pass
+                except Exception as exc:
+                    if not is_engine_death(exc, gen):
+                        raise
+                    d.engine_died(gen, f"{type(exc).__name__}: {exc}")
+                finally:
+                    await stream.aclose()
+                dead = gen  # the owner may not have marked it failed yet: never re-admit to it
+                attempt += 1
+                if attempt > d.cfg.continuation_limit:
+                    d.count_outcome("failed")
+                    raise RequestFailed(f"request interrupted {attempt} times by engine failures (limit {d.cfg.continuation_limit}); retry it")
+                log.info("request parked", request_id=request_id, delivered_tokens=len(delivered), attempt=attempt)
+        finally:
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self.idle.set()
+
+    async def abort(self, request_ids: Iterable[str]) -> None:
+        """Abort on whichever generation holds each request now."""
+        for rid in request_ids:
+            held = self._live.get(rid)
+            if held is not None and held[0].engine is not None and not held[0].failed:
+                await held[0].engine.abort(held[1])
+
+    async def _maybe_hold(self, gen: Generation, delivered: list[int], after: int) -> None:
+        """Test hook (``supervisor.testhooks``): stop a first-engine stream right after a token
+        that ends inside a UTF-8 character, until its engine fails."""
+        d = self.d
+        if len(delivered) < after or not testhooks.ends_mid_character(self._tokenizer(), delivered):
+            return
+        self.held += 1
+        try:  # until the engine fails, or the daemon stops (then the stream just goes on)
+            while not gen.failed and d.state is not State.STOPPING and not d.state.terminal:
+                d.changed.clear()
+                await d.changed.wait()
+        finally:
+            self.held -= 1
+        if gen.failed:
+            raise Interrupted()
+
+    async def pump(self, gen: Generation, prompt: Any, params: Any, request_id: str,
+                   kwargs: dict[str, Any] | None = None, client_id: str | None = None) -> AsyncIterator[Any]:
+        """Run the engine's stream in a task of its own, so a recovery can interrupt it
+        (a hung engine never raises by itself)."""
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        client_id = client_id or request_id
+
+        async def pump() -> None:
+            try:
+                async for out in gen.engine.generate(prompt, params, request_id, **(kwargs or {})):
+                    gen.last_output_monotonic = time.monotonic()
+                    queue.put_nowait(out)
+                queue.put_nowait(_END)
+            except asyncio.CancelledError:
+                queue.put_nowait(Interrupted())
+                raise
+            except BaseException as exc:
+                queue.put_nowait(exc)
+
+        if gen.failed:
+            raise Interrupted()
+        task = asyncio.create_task(pump(), name=request_id)  # the hang check tells the canary by its id
+        gen.pumps[task] = (time.monotonic(), queue)
+        self._live[client_id] = (gen, request_id)
+        try:
+            while True:
+                item = await queue.get()
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            gen.pumps.pop(task, None)
+            if self._live.get(client_id, (None, None))[1] == request_id:
+                del self._live[client_id]
+            if not task.done():
+                task.cancel()
+                gen.lingering.add(task)
+                task.add_done_callback(gen.lingering.discard)
