@@ -1,9 +1,9 @@
 """Everything that blocks on Ray or builds an engine: the owner calls these from worker
 threads (``asyncio.to_thread``), never on the event loop.
 
-The model, the Ray connection (a child process, ``executor.rayagent``: every Ray call of the
-daemon goes through it), each replica's placement group (kept across its generations while
-all its bundles are placed), one engine generation's build and teardown, and the actor kills.
+The model, one engine generation's build and teardown (with the shared-memory rings it made),
+and the standby's workers and fork server. The Ray cluster itself (the agent, each replica's
+placement group, actor queries and kills) is ``supervisor.raylink``, reached as ``builder.ray``.
 
 Builds take turns (one lock): on a small machine two engine starts at once only slow each
 other, and the shared-memory rings a build leaves are attributed to it by what appeared
@@ -20,6 +20,7 @@ from typing import Any
 from config import Settings
 from supervisor import logs, testhooks
 from supervisor.generation import Generation
+from supervisor.raylink import RayLink
 
 log = logs.get_logger("vllm_supervisor.builder")
 
@@ -30,19 +31,16 @@ class EngineBuilder:
         self.engine_args = engine_args  # vLLM's serve Namespace (``config.serve_args``)
         self.daemon_id = daemon_id
         self.event_endpoint = event_endpoint
-        self.cluster: Any = None  # executor.rayagent.RayAgent once Ray is used
-        self.cluster_lost = False  # the agent was killed: its GCS went away (connect_ray again)
-        self.released = False  # the stop released the cluster
-        self.placement_groups: dict[int, Any] = {}  # replica -> its placement group
+        # the link to the Ray cluster: the agent, placement groups, actor kills
+        self.ray = RayLink(settings.ray, daemon_id, lambda: (self.engine_args.tensor_parallel_size,
+                                                              self.engine_args.pipeline_parallel_size))
         self.model_path = ""
         self.served_model_name = ""
         self.config_epoch = 0  # +1 each time a reload changes the engine arguments (Generation.epoch)
         self._building = threading.Lock()
-        self._placing = threading.Lock()  # one placement group at a time: each sees where the others are
         self._shm_before: dict[int, set[str]] = {}  # generation -> the rings before its build began
         self._shm_owned: dict[int, set[str]] = {}  # generation -> the rings its build made (until torn down)
         self._shm_at_build_start: set[str] | None = None  # while a build runs: the rings before it began
-        self.predecessor_id = ""  # a crashed daemon's id whose Ray leftovers to remove (crashrecord)
         self._replica_metrics: Any = None  # executor.replica_metrics.ReplicaMetrics, with replicas
 
     @property
@@ -80,52 +78,6 @@ class EngineBuilder:
         log.warning("no model configured: serving the built-in demo model; its outputs are random noise",
                     model_path=self.model_path, build_s=round(time.monotonic() - started, 2))
 
-    def connect_ray(self) -> None:
-        from executor.rayagent import RayAgent
-
-        agent = RayAgent(self.settings.ray)
-        try:
-            address = agent.start()
-        except BaseException:
-            agent.kill()
-            raise
-        self.cluster, self.cluster_lost = agent, False
-        log.info("ray connected", address=address, local=agent.started_local, agent_pid=agent.pid)
-        if self.predecessor_id:
-            removed = self.cluster.call("remove_leftovers", self.predecessor_id)
-            log.warning("removed a crashed predecessor's Ray leftovers", predecessor_id=self.predecessor_id, **removed)
-            self.predecessor_id = ""
-
-    def placement_group_name(self, replica: int) -> str:
-        return f"{self.daemon_id}-pg" if replica == 0 else f"{self.daemon_id}-r{replica}-pg"
-
-    def ensure_placement_group(self, replica: int = 0) -> None:
-        """Reuse the replica's placement group while all its bundles are placed, else
-        re-create it, on a node that holds no other replica's group when there is one
-        (``RayCluster.create_placement_group``)."""
-        if self.cluster is None:  # the mp executor: no Ray, no placement group
-            return
-        with self._placing:
-            self._ensure_placement_group(replica)
-
-    def _ensure_placement_group(self, replica: int) -> None:
-        from executor.engine import is_cpu_platform
-
-        pg = self.placement_groups.get(replica)
-        if pg is not None:
-            if self.cluster.call("placement_group_ready", pg):
-                return
-            log.warning("placement group lost bundles; re-creating it", replica=replica)
-            self.cluster.call("remove_placement_group", pg)
-            del self.placement_groups[replica]
-        device = "CPU" if is_cpu_platform() else "GPU"
-        started = time.monotonic()
-        others = [g for r, g in list(self.placement_groups.items()) if r != replica]
-        pg = self.cluster.call("create_placement_group", self.placement_group_name(replica), self.world_size, device, others)
-        self.placement_groups[replica] = pg
-        log.info("placement group ready", replica=replica, bundles=self.world_size, device=device,
-                 nodes=self.cluster.call("placement_group_nodes", pg), took_s=round(time.monotonic() - started, 3))
-
     def _metrics_logger(self, replica: int) -> Any:
         """With replicas: the stand-in through which replica ``replica``'s engine reports to the
         one set of ``vllm:*`` metrics all replicas share (``executor.replica_metrics``)."""
@@ -158,7 +110,7 @@ class EngineBuilder:
                 engine = build_engine(EngineSpec(
                     # a copy: vLLM's config builders mutate what they are given (a reload compares args)
                     args=copy.deepcopy(self.engine_args), generation=number, instance_id=instance_id,
-                    event_endpoint=self.event_endpoint, placement_group=self.placement_groups.get(replica),
+                    event_endpoint=self.event_endpoint, placement_group=self.ray.placement_group(replica),
                     kv_cache_space_gib=self.settings.engine.kv_cache_space_gib,
                     standby_namespace=standby.get("namespace"), use_forkserver=bool(standby.get("forkserver")),
                     step_clock=steps, metrics_logger=self._metrics_logger(replica),
@@ -201,17 +153,17 @@ class EngineBuilder:
     def create_standby(self, number: int, vllm_config: Any, replica: int = 0) -> list[dict[str, Any]]:
         # On the nodes of a placement group a serving generation holds: re-creating a lost one
         # is the recovery's job (two threads doing it would leak one).
-        pg = self.placement_groups.get(replica)
-        if pg is None or not self.cluster.call("placement_group_ready", pg):
+        pg = self.ray.placement_group(replica, ready=True)
+        if pg is None:
             raise RuntimeError("the placement group is not ready; the next recovery re-creates it")
-        return self.cluster.call("create_standby", vllm_config, pg, self.instance_id(number), self.standby_namespace)
+        return self.ray.call("create_standby", vllm_config, pg, self.instance_id(number), self.standby_namespace)
 
     def standby_states(self, workers: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        return self.cluster.call("standby_states", [w["actor_id"] for w in workers])
+        return self.ray.call("standby_states", [w["actor_id"] for w in workers])
 
     def kill_standby(self, workers: list[dict[str, Any]], wait_s: float = 5.0) -> None:
         """Kill standby workers and wait (bounded) until Ray has released their names."""
-        self.cluster.call("kill_standby", [w["actor_id"] for w in workers], wait_s)
+        self.ray.call("kill_standby", [w["actor_id"] for w in workers], wait_s)
 
     def front(self, engine: Any) -> tuple[Any, Any]:
         """The request path's own renderer and input processor (they outlive ``engine``)."""
@@ -223,7 +175,7 @@ class EngineBuilder:
         """A build that raised may have left actors and rings; unmapped rings only are removed."""
         from executor.shm import sweep
 
-        self.kill_actors(self.instance_id(number))
+        self.ray.kill_actors(self.instance_id(number))
         self._shm_owned.pop(number, None)
         sweep(self._rings_of(self._shm_before.pop(number, None)))
 
@@ -245,7 +197,7 @@ class EngineBuilder:
         from executor.shm import sweep
 
         started = time.monotonic()
-        local_workers = [] if self.cluster else engine_worker_pids(gen.engine)  # before their parent goes
+        local_workers = [] if self.ray.cluster else engine_worker_pids(gen.engine)  # before their parent goes
         cores = engine_core_pids(gen.engine)
         try:
             # A failed engine core is not waited for: 0.25 s to exit on SIGTERM, then SIGKILL.
@@ -257,7 +209,7 @@ class EngineBuilder:
         # vLLM signals only an engine core it believes alive: one whose fork server died looks
         # dead (its exit status came through the server) and is still running.
         stray_cores = kill_pids([p for p in cores if running(p)])
-        killed = self.kill_actors(gen.instance_id) if self.cluster else kill_pids(local_workers)
+        killed = self.ray.kill_actors(gen.instance_id) if self.ray.cluster else kill_pids(local_workers)
         # Killed workers may take a moment to exit and unmap their rings. Rings that other
         # generations (replicas) made since this one's build began are theirs.
         self._shm_owned.pop(gen.number, None)
@@ -272,72 +224,8 @@ class EngineBuilder:
         log.info("engine torn down", engine_generation=gen.number, leftover_actors_killed=killed, stray_engine_cores=stray_cores,
                  shm_removed=removed, took_s=round(time.monotonic() - started, 2))
 
-    def release_cluster(self) -> None:
-        if self.cluster is None or self.cluster_lost:
-            return
-        self.released = True  # from now on a GCS that stops listening is ours going (private cluster)
-        for pg in list(self.placement_groups.values()):
-            self.cluster.call("remove_placement_group", pg)
-        self.placement_groups.clear()
-        self.cluster.stop()
-        log.info("ray released", stopped_local_cluster=self.cluster.started_local)
-
-    # --- loss of the cluster (its GCS) ------------------------------------------------------
-
-    @property
-    def gcs_address(self) -> str:
-        """The GCS the daemon is connected to ("" without Ray, and once released)."""
-        return self.cluster.address if self.cluster is not None and not self.released else ""
-
-    @property
-    def agent_pid(self) -> int | None:
-        return self.cluster.pid if self.cluster is not None else None
-
-    def agent_alive(self) -> bool:
-        return self.cluster is None or self.cluster.alive()
-
-    def lose_cluster(self) -> list[int]:
-        """The GCS went away: kill the agent (and a private cluster's processes) before a
-        new GCS can answer it, forget the placement group (the new cluster has none)."""
-        if self.cluster is None or self.cluster_lost:
-            return []
-        self.cluster_lost = True
-        self.placement_groups.clear()
-        killed = self.cluster.kill()
-        log.warning("ray agent killed: the cluster is lost", killed_pids=killed)
-        return killed
-
-    def kill_actors(self, instance_id: str) -> list[str]:
-        if self.cluster is None or self.cluster_lost:  # lost: its actors went with the cluster
-            return []
-        try:
-            return self.cluster.call("kill_instance_actors", instance_id)
-        except Exception as exc:
-            log.warning("could not list/kill actors", error=str(exc))
-            return []
-
     def kill_stuck_workers(self, gen: Generation) -> None:
         from executor.engine import kill_engine_workers
 
-        killed = self.kill_actors(gen.instance_id) if self.cluster else kill_engine_workers(gen.engine)
+        killed = self.ray.kill_actors(gen.instance_id) if self.ray.cluster else kill_engine_workers(gen.engine)
         log.warning("killed stuck workers", killed=killed)
-
-    def kill_worker(self, instance_id: str, rank: int) -> list[str]:
-        from executor.cluster import worker_actor_name
-
-        a = self.engine_args
-        return self.cluster.call("kill_actor_exact",
-                                 worker_actor_name(instance_id, rank, a.tensor_parallel_size, a.pipeline_parallel_size))
-
-    def workers(self, instance_id: str) -> list[dict[str, Any]]:
-        if self.cluster is None:
-            return []
-        return self.cluster.call("workers", instance_id)
-
-    def reachable(self) -> bool:
-        if self.cluster is None:
-            return True
-        try:
-            return self.cluster.call("reachable")
-        except Exception:  # the agent gone or Ray raising: not reachable
-            return False

@@ -219,7 +219,7 @@ def _crash_only_start(settings: Settings, engine_args: Any, sup: Any, control: s
     if pred is not None:
         cleaned = crashrecord.clean_local(pred, record.path)
         same_cluster = bool(pred.ray_address) and pred.ray_address == settings.ray.address
-        sup.builder.predecessor_id = pred.daemon_id if same_cluster else ""
+        sup.ray.predecessor_id = pred.daemon_id if same_cluster else ""
         logs.get_logger("vllm_supervisor.cli").warning(
             "the previous daemon on this port did not stop cleanly: cleaned what it left",
             predecessor_pid=pred.pid, predecessor_id=pred.daemon_id, **cleaned,

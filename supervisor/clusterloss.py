@@ -31,15 +31,15 @@ class ClusterLoss:
         self._reconnecting = asyncio.Lock()
 
     def status(self) -> dict[str, Any]:
-        b, lost = self.sup.builder, self.lost_monotonic
-        return {"gcs_address": b.gcs_address, "connected": b.cluster is not None and not b.cluster_lost,
+        ray, lost = self.sup.ray, self.lost_monotonic
+        return {"gcs_address": ray.gcs_address, "connected": ray.cluster is not None and not ray.cluster_lost,
                 "lost_for_s": None if lost is None else round(time.monotonic() - lost, 1),
-                "agent_pid": b.agent_pid}
+                "agent_pid": ray.agent_pid}
 
     async def on_lost(self, event: ClusterLost) -> None:
-        sup, builder = self.sup, self.sup.builder
-        if (builder.cluster_lost or builder.cluster is None or sup.state.terminal
-                or builder.released or (event.agent_pid is not None and event.agent_pid != builder.agent_pid)):
+        sup, ray = self.sup, self.sup.ray
+        if (ray.cluster_lost or ray.cluster is None or sup.state.terminal
+                or ray.released or (event.agent_pid is not None and event.agent_pid != ray.agent_pid)):
             return  # a repeat, or a report about an older agent
         being_built = [r.building for r in sup.replicas if r.building is not None]  # their engine cores lost it too
         timeout = sup.settings.ray.reconnect_timeout_s
@@ -47,7 +47,7 @@ class ClusterLoss:
                   detect_ms=round((time.monotonic() - event.detected_monotonic) * 1000, 1))
         self.lost_monotonic = event.detected_monotonic
         sup.metrics.ray_connected.set(0)
-        await asyncio.to_thread(builder.lose_cluster)
+        await asyncio.to_thread(ray.lose)
         await sup.standby.cluster_lost()
         sup.recovery.doom(being_built)
         reason = f"ray cluster lost ({event.address}: {event.detail}); waiting up to {timeout:g} s for it"
@@ -65,25 +65,25 @@ class ClusterLoss:
         """Until the deadline: wait for the lost GCS to listen again (a private cluster is
         started anew at once), then connect a new agent. Returns (ok, detail)."""
         async with self._reconnecting:
-            if not self.sup.builder.cluster_lost:
+            if not self.sup.ray.cluster_lost:
                 return True, ""  # another replica reconnected it
             return await self._reconnect()
 
     async def _reconnect(self) -> tuple[bool, str]:
-        sup, builder = self.sup, self.sup.builder
+        sup, ray = self.sup, self.sup.ray
         timeout = sup.settings.ray.reconnect_timeout_s
         lost_at = self.lost_monotonic or time.monotonic()
-        private = builder.cluster.started_local
+        private = ray.cluster.started_local
         # The configured host:port when there is one (a head that returns on a new IP behind a
         # name), else the address Ray reported (``auto``).
         configured = sup.settings.ray.address
-        address = configured if split_address(configured) else builder.gcs_address
+        address = configured if split_address(configured) else ray.gcs_address
         while time.monotonic() < lost_at + timeout:
             if sup.state is State.STOPPING:
                 return True, "stopping"
             if private or await listening(address) is None:
                 try:
-                    await asyncio.to_thread(builder.connect_ray)  # a new agent
+                    await asyncio.to_thread(ray.connect)  # a new agent
                 except Exception as exc:  # the GCS listens before its node is up: try again
                     log.warning("ray reconnect failed; retrying", error=f"{type(exc).__name__}: {exc}"[:300])
                     await asyncio.sleep(1.0)
@@ -91,7 +91,7 @@ class ClusterLoss:
                 lost_for = time.monotonic() - lost_at
                 self.lost_monotonic = None
                 sup.metrics.ray_connected.set(1)
-                log.info("ray cluster back", address=builder.gcs_address, lost_for_s=round(lost_for, 2))
+                log.info("ray cluster back", address=ray.gcs_address, lost_for_s=round(lost_for, 2))
                 if sup.state is State.RECOVERING:
                     sup.machine.transition(State.RECOVERING, f"ray cluster back after {lost_for:.1f} s; rebuilding")
                 return True, ""

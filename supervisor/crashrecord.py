@@ -13,7 +13,7 @@ builds anything:
   created right now by another daemon is not touched);
 * the stale control socket (``supervisor.control`` also refuses to take over a live one);
 * on an existing Ray cluster, the predecessor's placement group and named actors (by its
-  daemon id, after Ray is connected: ``EngineBuilder.connect_ray``).
+  daemon id, after Ray is connected: ``RayLink.connect``).
 
 The record and the pids file are trusted only when this user owns them and nobody else may
 write to them or their directory.

@@ -65,6 +65,7 @@ class Supervisor:
         self._own_runtime_dir = "RUNTIME_DIRECTORY" not in os.environ
         self.event_endpoint = f"ipc://{self.runtime_dir}/events-{os.getpid()}.sock"
         self.builder = builder or EngineBuilder(settings, engine_args, self.daemon_id, self.event_endpoint)
+        self.ray = self.builder.ray  # the link to the Ray cluster (supervisor.raylink)
         self.metrics = SupervisorMetrics(self.builder.world_size, registry)
         self.machine = StateMachine()
         self.machine.on_transition.append(self._on_transition)
@@ -213,7 +214,7 @@ class Supervisor:
             await self.cluster.on_lost(event)
         elif isinstance(event, RecoveryFinished):
             if not event.ok and self.state is not State.STOPPING:
-                self.exit_code = EXIT_RAY_LOST if self.builder.cluster_lost else EXIT_FAILED
+                self.exit_code = EXIT_RAY_LOST if self.ray.cluster_lost else EXIT_FAILED
                 self._begin_stop(event.detail)
         elif isinstance(event, ControlCommand):
             if not event.reply.done():
@@ -297,7 +298,7 @@ class Supervisor:
             if rep.current is None:
                 continue
             try:
-                workers = await aio.wait_for(asyncio.to_thread(self.builder.workers, rep.current.instance_id), 10)
+                workers = await aio.wait_for(asyncio.to_thread(self.ray.workers, rep.current.instance_id), 10)
             except Exception as exc:
                 out["workers_error"] = str(exc)
                 continue

@@ -29,24 +29,24 @@ class DetectorView:
 
     @property
     def gcs_address(self) -> str:
-        return self._owner.builder.gcs_address
+        return self._owner.ray.gcs_address
 
     @property
     def agent_pid(self) -> int | None:
-        return self._owner.builder.agent_pid
+        return self._owner.ray.agent_pid
 
     @property
     def cluster_lost(self) -> bool:
-        return self._owner.builder.cluster_lost
+        return self._owner.ray.cluster_lost
 
     def agent_alive(self) -> bool:
-        return self._owner.builder.agent_alive()
+        return self._owner.ray.agent_alive()
 
     def has_cluster(self) -> bool:
-        return self._owner.builder.cluster is not None
+        return self._owner.ray.cluster is not None
 
     def reachable(self) -> bool:
-        return self._owner.builder.reachable()
+        return self._owner.ray.reachable()
 
     @property
     def gcs_lost_after_s(self) -> float:

@@ -61,10 +61,10 @@ class Operations:
                 return {"ok": False, "error": f"replica {index} has no serving engine (daemon {sup.state.value})"}
             if rank >= sup.builder.world_size:
                 return {"ok": False, "error": f"rank {rank} out of range (world size {sup.builder.world_size})"}
-            if sup.builder.cluster is None:
+            if sup.ray.cluster is None:
                 return {"ok": False, "error": "kill-worker needs the ray executor"}
             try:
-                killed = await asyncio.to_thread(sup.builder.kill_worker, gen.instance_id, rank)
+                killed = await asyncio.to_thread(sup.ray.kill_worker, gen.instance_id, rank)
             except Exception as exc:  # the Ray agent gone (cluster lost) or Ray raising
                 return {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
             return {"ok": bool(killed), "killed": killed, "replica": index, "generation": gen.number,

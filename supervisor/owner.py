@@ -13,6 +13,7 @@ if TYPE_CHECKING:  # only parts that never import this module (the owner's own p
     from health.metrics import SupervisorMetrics
     from health.notify import SystemdNotifier
     from supervisor.builder import EngineBuilder
+    from supervisor.raylink import RayLink
     from supervisor.engine_client import SupervisedEngineClient
     from supervisor.replica import Replica
     from supervisor.standby import Standby
@@ -25,6 +26,7 @@ class Owner(Protocol):
     machine: "StateMachine"
     replicas: list["Replica"]
     builder: "EngineBuilder"
+    ray: "RayLink"
     standby: "Standby"
     client: "SupervisedEngineClient"
     metrics: "SupervisorMetrics"

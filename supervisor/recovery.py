@@ -117,7 +117,7 @@ class Recovery:
         try:
             await asyncio.to_thread(sup.builder.prepare_model)
             if sup.builder.uses_ray:
-                await asyncio.to_thread(sup.builder.connect_ray)
+                await asyncio.to_thread(sup.ray.connect)
                 sup.metrics.ray_connected.set(1)
         except Exception as exc:
             log.exception("first start failed")
@@ -176,7 +176,7 @@ class Recovery:
             cfg = sup.cfg  # a reload applies at once
             if sup.state is State.STOPPING:
                 return True, "stopping"
-            if builder.uses_ray and builder.cluster_lost:
+            if builder.uses_ray and sup.ray.cluster_lost:
                 t = time.monotonic()
                 ok, detail = await sup.cluster.await_back()
                 phases["ray_reconnect"] = phases.get("ray_reconnect", 0.0) + time.monotonic() - t
@@ -196,7 +196,7 @@ class Recovery:
             number = None
             try:
                 t = time.monotonic()
-                await asyncio.to_thread(builder.ensure_placement_group, rep.index)
+                await asyncio.to_thread(sup.ray.ensure_placement_group, rep.index)
                 phases["placement_group"] = time.monotonic() - t
                 if self.reattach:  # made for the engine arguments a reload just replaced
                     await standby.discard("engine arguments changed")
@@ -276,7 +276,7 @@ class Recovery:
 
     async def _workers_of(self, gen: Generation) -> list[dict[str, Any]]:
         try:
-            return await aio.wait_for(asyncio.to_thread(self.sup.builder.workers, gen.instance_id), 10)
+            return await aio.wait_for(asyncio.to_thread(self.sup.ray.workers, gen.instance_id), 10)
         except Exception as exc:
             log.warning("could not list the new generation's workers", error=str(exc))
             return []
@@ -332,7 +332,7 @@ class Recovery:
                 await aio.wait_for(sup.standby.stop(), 30)
             except Exception:
                 log.exception("could not stop the standby")
-            await asyncio.to_thread(sup.builder.release_cluster)
+            await asyncio.to_thread(sup.ray.release)
         except Exception:
             log.exception("error while stopping")
         finally:

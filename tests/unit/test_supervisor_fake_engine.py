@@ -138,8 +138,55 @@ def fake_args(**changes):
                               "port": 8000, "max_model_len": 256, **changes})
 
 
+class FakeRayLink:
+    """``supervisor.raylink.RayLink`` without Ray: a cluster that connects, is lost and answers."""
+
+    gcs_address = ""  # the cluster-loss tests point it at a TCP server of their own
+    cluster_lost = released = False
+    agent_up = True
+    agent_pid = None
+    predecessor_id = ""
+
+    def __init__(self, serving: dict[int, str]):
+        self.cluster = None
+        self.connects = 0
+        self.serving = serving  # the builder's: generation -> actor id of its worker
+
+    def agent_alive(self):
+        return self.agent_up
+
+    def connect(self):
+        self.cluster = SimpleNamespace(started_local=False, reachable=lambda: True)
+        self.cluster_lost = False
+        self.agent_up = True
+        self.connects += 1
+
+    def lose(self):
+        self.cluster_lost = True
+        return []
+
+    def ensure_placement_group(self, replica=0):
+        pass
+
+    def release(self):
+        pass
+
+    def kill_actors(self, instance_id):
+        return []
+
+    def workers(self, instance_id):
+        number = int(instance_id.rsplit("-g", 1)[1])
+        actor_id = self.serving.get(number)
+        return [{"rank": 0, "name": f"w-g{number}", "actor_id": actor_id}] if actor_id else []
+
+    def reachable(self):
+        return self.cluster.reachable()
+
+
+
 class FakeBuilder:
-    """``supervisor.builder.EngineBuilder`` without Ray or vLLM: fake engines, instant teardown."""
+    """``supervisor.builder.EngineBuilder`` without Ray or vLLM: fake engines, instant teardown;
+    its ``ray`` is a ``FakeRayLink``."""
 
     world_size = 1
     uses_ray = True
@@ -150,37 +197,15 @@ class FakeBuilder:
         self.engines: list[FakeEngine] = []
         self.build_failures = build_failures
         self.torn_down: list[int] = []
-        self.cluster = None
         self.engine_args = fake_args()
         self.claims: list = []
         self.forkserver_up = False
         self.standby_made: list[dict] = []
         self.actor_states: dict[str, str] = {}
         self.serving: dict[int, str] = {}  # generation -> actor id of its worker
+        self.ray = FakeRayLink(self.serving)
 
     def prepare_model(self):
-        pass
-
-    gcs_address = ""  # the cluster-loss tests point it at a TCP server of their own
-    cluster_lost = released = False
-    agent_up = True
-    agent_pid = None
-
-    def agent_alive(self):
-        return self.agent_up
-
-    def connect_ray(self):
-        self.cluster = SimpleNamespace(started_local=False, reachable=lambda: True)
-        self.cluster_lost = False
-        self.agent_up = True
-        self.connects = getattr(self, "connects", 0) + 1
-
-    def lose_cluster(self):
-        self.cluster_lost = True
-        return []
-
-
-    def ensure_placement_group(self, replica=0):
         pass
 
     def build(self, number, standby=None, replica=0):
@@ -237,22 +262,8 @@ class FakeBuilder:
         gen.engine.shutdown()
         self.torn_down.append(gen.number)
 
-    def release_cluster(self):
-        pass
-
-    def kill_actors(self, instance_id):
-        return []
-
     def kill_stuck_workers(self, gen):
         pass
-
-    def workers(self, instance_id):
-        number = int(instance_id.rsplit("-g", 1)[1])
-        actor_id = self.serving.get(number)
-        return [{"rank": 0, "name": f"w-g{number}", "actor_id": actor_id}] if actor_id else []
-
-    def reachable(self):
-        return self.cluster.reachable()
 
 
 class FakeSupervisor(Supervisor):
@@ -454,7 +465,7 @@ def test_lost_ray_cluster_is_a_failure_source(tmp_path):
         sup = FakeSupervisor(settings(tmp_path, max_restarts=0))
         owner = asyncio.create_task(sup.run())
         await wait_for(lambda: sup.state is State.READY)
-        sup.builder.cluster.reachable = lambda: False
+        sup.ray.cluster.reachable = lambda: False
         assert await owner == EXIT_FAILED  # no budget to rebuild: FAILED, exit 3
         assert sup.restarts["ray_lost"] == 1
 
@@ -643,7 +654,7 @@ async def serving_beside_a_gcs(tmp_path, **ray):
     """A fake GCS listening, and a READY daemon watching it: (gcs, builder, sup, owner task)."""
     gcs = await FakeGcs().start()
     builder = FakeBuilder()
-    builder.gcs_address = gcs.address
+    builder.ray.gcs_address = gcs.address
     sup = FakeSupervisor(settings_with_ray(tmp_path, **ray), builder=builder)
     owner = asyncio.create_task(sup.run())
     await wait_for(lambda: sup.state is State.READY)
@@ -653,7 +664,7 @@ async def serving_beside_a_gcs(tmp_path, **ray):
 def test_lost_gcs_parks_streams_and_the_rebuild_waits_until_it_listens_again(tmp_path):
     async def scenario():
         gcs, builder, sup, owner = await serving_beside_a_gcs(tmp_path, gcs_lost_after_s=0.3, reconnect_timeout_s=30)
-        assert sup.cluster.status()["connected"] and builder.connects == 1
+        assert sup.cluster.status()["connected"] and builder.ray.connects == 1
         lost = asyncio.Event()
 
         def lose_at_7(n):
@@ -664,17 +675,17 @@ def test_lost_gcs_parks_streams_and_the_rebuild_waits_until_it_listens_again(tmp
         stream = asyncio.create_task(collect(sup, [1, 2, 3], 40, lose_at_7))
         await lost.wait()
         await gcs.stop()
-        await wait_for(lambda: builder.cluster_lost and sup.state is State.RECOVERING, 5)
+        await wait_for(lambda: builder.ray.cluster_lost and sup.state is State.RECOVERING, 5)
         assert "ray cluster lost" in sup.machine.reason and not ready(sup)
         await asyncio.sleep(1.0)  # the GCS is still down: nothing is built, nothing reconnects
-        assert sup.generation_number == 0 and builder.connects == 1 and len(sup.engines) == 1
+        assert sup.generation_number == 0 and builder.ray.connects == 1 and len(sup.engines) == 1
         assert sup.status()["ray"]["connected"] is False and sup.status()["ray"]["lost_for_s"] >= 1.0
         assert sup.metrics.ray_connected._value.get() == 0
         await gcs.start()  # the head is back on the same port
         await wait_for(lambda: sup.state is State.READY and sup.generation_number == 2, 10)
         assert await stream == reference([1, 2, 3], 40)  # the parked stream continued exactly
         assert sup.outcomes["continued"] == 1
-        assert builder.connects == 2 and not builder.cluster_lost and sup.cluster.status()["connected"]
+        assert builder.ray.connects == 2 and not builder.ray.cluster_lost and sup.cluster.status()["connected"]
         assert sup.restarts["ray_lost"] == 1 and sup.recoveries[-1]["reason"] == "ray_lost"
         assert sup.metrics.ray_connected._value.get() == 1
         sup.post(SignalReceived(signal.SIGTERM))
@@ -693,7 +704,7 @@ def test_a_worker_death_seen_after_the_gcs_went_quiet_counts_as_the_cluster_lost
         builder.teardown = lambda gen: (time.sleep(1.0), teardown(gen))[1]  # the loss is seen mid-recovery
         await gcs.stop()
         sup.post(EngineFailed(1, "worker_death", "rank(s) [0] (vllm_Worker_x-g1): ActorUnavailableError: Socket closed"))
-        await wait_for(lambda: builder.cluster_lost, 5)
+        await wait_for(lambda: builder.ray.cluster_lost, 5)
         await gcs.start()
         await wait_for(lambda: sup.state is State.READY and sup.generation_number == 2, 10)
         rec = sup.recoveries[-1]
@@ -718,7 +729,7 @@ def test_gcs_not_back_before_the_deadline_exits_75(tmp_path):
         assert await asyncio.wait_for(owner, 10) == 75
         assert 1.5 <= time.monotonic() - started < 6
         assert sup.state is State.FAILED and "not back within 1.5 s" in sup.machine.reason
-        assert builder.connects == 1 and sup.torn_down == [1]
+        assert builder.ray.connects == 1 and sup.torn_down == [1]
 
     run(scenario())
 
@@ -730,7 +741,7 @@ def test_a_gcs_blip_shorter_than_gcs_lost_after_s_is_not_a_loss(tmp_path):
         await asyncio.sleep(0.8)
         await gcs.start()
         await asyncio.sleep(2.0)
-        assert sup.state is State.READY and sup.generation_number == 1 and not builder.cluster_lost
+        assert sup.state is State.READY and sup.generation_number == 1 and not builder.ray.cluster_lost
         sup.post(SignalReceived(signal.SIGTERM))
         assert await owner == 0
         await gcs.stop()
@@ -741,9 +752,9 @@ def test_a_gcs_blip_shorter_than_gcs_lost_after_s_is_not_a_loss(tmp_path):
 def test_a_ray_agent_that_dies_on_its_own_is_replaced(tmp_path):
     async def scenario():
         gcs, builder, sup, owner = await serving_beside_a_gcs(tmp_path, reconnect_timeout_s=10)  # the GCS keeps listening: only the agent died (OOM, crash)
-        builder.agent_up = False
+        builder.ray.agent_up = False
         await wait_for(lambda: sup.state is State.READY and sup.generation_number == 2, 10)
-        assert builder.connects == 2 and sup.recoveries[-1]["reason"] == "ray_lost"
+        assert builder.ray.connects == 2 and sup.recoveries[-1]["reason"] == "ray_lost"
         assert "the Ray agent died" in sup.recoveries[-1]["detail"]
         sup.post(SignalReceived(signal.SIGTERM))
         assert await owner == 0
