@@ -42,7 +42,6 @@ from supervisor.events import (
     ClusterLost, ControlCommand, EngineFailed, Event, RecoveryFinished, ReloadRequested, SignalReceived, StopFinished,
 )
 from supervisor.generation import EngineUnavailable, Generation, RequestFailed  # noqa: F401 (re-exported)
-from supervisor.policy import RestartIntensity
 from supervisor.replica import Replica, pick
 from supervisor.routing import PrefixRouter
 from supervisor.standby import Standby
