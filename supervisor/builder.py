@@ -1,8 +1,8 @@
 """Everything that blocks on Ray or builds an engine: the owner calls these from worker
 threads (``asyncio.to_thread``), never on the event loop.
 
-The model, one engine generation's build and teardown (with the shared-memory rings it made),
-and the standby's workers and fork server. The Ray cluster itself (the agent, each replica's
+The model, and one engine generation's build and teardown (with the shared-memory rings it
+made). The warm standby's fork server and workers are ``supervisor.standby_workers``; the Ray cluster itself (the agent, each replica's
 placement group, actor queries and kills) is ``supervisor.raylink``, reached as ``builder.ray``.
 
 Builds take turns (one lock): on a small machine two engine starts at once only slow each
@@ -121,49 +121,6 @@ class EngineBuilder:
         build_s = time.monotonic() - started
         log.info("engine up", engine_generation=number, replica=replica, build_s=round(build_s, 2))
         return Generation(number, instance_id, engine, shm_before, build_s, replica=replica, epoch=epoch, steps=steps)
-
-    # --- the warm standby (supervisor.standby) ----------------------------------------------
-
-    @property
-    def standby_namespace(self) -> str:
-        return self.settings.ray.namespace
-
-    @staticmethod
-    def start_forkserver() -> float:
-        from executor import forkserver
-
-        return forkserver.start()
-
-    @staticmethod
-    def forkserver_alive() -> bool:
-        return EngineBuilder.forkserver_pid() is not None
-
-    @staticmethod
-    def forkserver_pid() -> int | None:
-        from executor import forkserver
-
-        return forkserver.pid()
-
-    @staticmethod
-    def stop_forkserver() -> None:
-        from executor import forkserver
-
-        forkserver.stop()
-
-    def create_standby(self, number: int, vllm_config: Any, replica: int = 0) -> list[dict[str, Any]]:
-        # On the nodes of a placement group a serving generation holds: re-creating a lost one
-        # is the recovery's job (two threads doing it would leak one).
-        pg = self.ray.placement_group(replica, ready=True)
-        if pg is None:
-            raise RuntimeError("the placement group is not ready; the next recovery re-creates it")
-        return self.ray.call("create_standby", vllm_config, pg, self.instance_id(number), self.standby_namespace)
-
-    def standby_states(self, workers: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        return self.ray.call("standby_states", [w["actor_id"] for w in workers])
-
-    def kill_standby(self, workers: list[dict[str, Any]], wait_s: float = 5.0) -> None:
-        """Kill standby workers and wait (bounded) until Ray has released their names."""
-        self.ray.call("kill_standby", [w["actor_id"] for w in workers], wait_s)
 
     def front(self, engine: Any) -> tuple[Any, Any]:
         """The request path's own renderer and input processor (they outlive ``engine``)."""

@@ -45,6 +45,7 @@ from supervisor.generation import EngineUnavailable, Generation, RequestFailed  
 from supervisor.replica import Replica, pick
 from supervisor.routing import PrefixRouter
 from supervisor.standby import Standby
+from supervisor.standby_workers import StandbyWorkers
 from supervisor.clusterloss import ClusterLoss
 from supervisor.operations import Operations
 from supervisor.recovery import EXIT_FAILED, EXIT_OK, EXIT_RAY_LOST, Recovery
@@ -55,7 +56,10 @@ log = logs.get_logger("vllm_supervisor.daemon")
 
 class Supervisor:
     def __init__(self, settings: Settings, engine_args: Any, registry: Any = None, reload_settings: Any = None,
-                 control_socket: str | None = None, builder: EngineBuilder | None = None):
+                 control_socket: str | None = None, builder: EngineBuilder | None = None,
+                 standby_workers: StandbyWorkers | None = None):
+        """``builder`` and ``standby_workers`` are the parts that reach below (vLLM, Ray, the
+        fork server); tests hand in fakes of them."""
         self.settings = settings
         self.cfg = settings.supervisor
         self.control_socket = control_socket
@@ -76,7 +80,9 @@ class Supervisor:
         self.clusterwatch = ClusterWatch(detectors)
         # The standby prepares one next generation, for whichever replica fails first. Its workers
         # are the V2 executor's: the compiled-graph executor cannot adopt them.
-        self.standby = Standby(self.builder, self.metrics, enabled=self.cfg.standby == "warm"
+        standby_workers = standby_workers or StandbyWorkers(self.ray, self.builder.instance_id, settings.ray.namespace,
+                                                            self.builder.uses_ray)
+        self.standby = Standby(standby_workers, self.metrics, enabled=self.cfg.standby == "warm"
                                and not getattr(self.builder, "compiled_graph", False))
         # where each new request goes between replicas (with one there is no choice to make)
         self.router = PrefixRouter() if self.cfg.routing == "prefix" and self.cfg.replicas > 1 else None

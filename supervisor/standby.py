@@ -29,6 +29,7 @@ import time
 from typing import Any
 
 from supervisor import logs
+from supervisor.standby_workers import StandbyWorkers
 
 log = logs.get_logger("vllm_supervisor.standby")
 
@@ -59,8 +60,8 @@ class Standby:
     """Prepared by the owner after each READY (``prepare``), claimed by the next build
     (``claim``), reported on by that build (``adopted``)."""
 
-    def __init__(self, builder: Any, metrics: Any, enabled: bool):
-        self.builder = builder
+    def __init__(self, host: StandbyWorkers, metrics: Any, enabled: bool):
+        self.host = host  # the fork server and the standby's worker actors
         self.metrics = metrics
         self.enabled = enabled
         self.state = StandbyState.OFF
@@ -135,15 +136,15 @@ class Standby:
         if mine:  # decided before the first await: no other build can take it meanwhile
             self._to(StandbyState.ADOPTING, f"building generation {generation}")
         elif self.state in (StandbyState.PREPARING, StandbyState.READY, StandbyState.ADOPTING):
-            return {"namespace": None, "forkserver": await asyncio.to_thread(self.builder.forkserver_alive)}
+            return {"namespace": None, "forkserver": await asyncio.to_thread(self.host.forkserver_alive)}
         async with self._creating:  # an actor creation in flight finishes first
             await self._cancel()
-        forkserver = await asyncio.to_thread(self.builder.forkserver_alive)
+        forkserver = await asyncio.to_thread(self.host.forkserver_alive)
         if not mine:
             if self.state is StandbyState.UNAVAILABLE:
                 self._to(StandbyState.OFF, f"building generation {generation} without it")
             return {"namespace": None, "forkserver": forkserver}
-        return {"namespace": self.builder.standby_namespace if self.workers else None, "forkserver": forkserver}
+        return {"namespace": self.host.namespace if self.workers else None, "forkserver": forkserver}
 
     def adopted(self, generation: int, serving_workers: list[dict[str, Any]], count: bool = True) -> dict[str, Any]:
         """After a successful build: which ranks run in a standby's process. ``count``: false
@@ -184,7 +185,7 @@ class Standby:
         if self.state is not StandbyState.OFF:
             self._to(StandbyState.OFF, "stopping")
         if self.enabled:
-            await asyncio.to_thread(self.builder.stop_forkserver)
+            await asyncio.to_thread(self.host.stop_forkserver)
         self.forkserver_pid = None
 
     async def cluster_lost(self) -> None:
@@ -215,7 +216,7 @@ class Standby:
     async def _discard_workers(self) -> None:
         workers, self.workers = self.workers, []
         if workers:
-            await asyncio.to_thread(self.builder.kill_standby, workers)
+            await asyncio.to_thread(self.host.kill, workers)
 
     async def _run(self, generation: int, vllm_config: Any) -> None:
         started = time.monotonic()
@@ -240,16 +241,16 @@ class Standby:
                 self._to(StandbyState.PREPARING, "retrying")
 
     async def _make_ready(self, generation: int, vllm_config: Any, started: float) -> None:
-        if not await asyncio.to_thread(self.builder.forkserver_alive):
-            took = await asyncio.to_thread(self.builder.start_forkserver)
+        if not await asyncio.to_thread(self.host.forkserver_alive):
+            took = await asyncio.to_thread(self.host.start_forkserver)
             log.info("standby engine-core fork server ready", took_s=round(took, 2))
-        self.forkserver_pid = await asyncio.to_thread(self.builder.forkserver_pid)
-        if self.builder.uses_ray and not self.workers:
+        self.forkserver_pid = await asyncio.to_thread(self.host.forkserver_pid)
+        if self.host.uses_ray and not self.workers:
             async with self._creating:
-                self.workers = await asyncio.to_thread(self.builder.create_standby, generation, vllm_config,
+                self.workers = await asyncio.to_thread(self.host.create, generation, vllm_config,
                                                        self.replica)
-        while self.builder.uses_ray:
-            states = await asyncio.to_thread(self.builder.standby_states, self.workers)
+        while self.host.uses_ray:
+            states = await asyncio.to_thread(self.host.states, self.workers)
             for w, s in zip(self.workers, states):
                 w.update(state=s["state"], pid=s["pid"])
             dead = [s for s in states if s["state"] == "DEAD"]
@@ -268,10 +269,10 @@ class Standby:
         while True:
             await asyncio.sleep(POLL_S)
             lost = []
-            if not await asyncio.to_thread(self.builder.forkserver_alive):
+            if not await asyncio.to_thread(self.host.forkserver_alive):
                 lost.append("engine-core fork server")
-            if self.builder.uses_ray:
-                states = await asyncio.to_thread(self.builder.standby_states, self.workers)
+            if self.host.uses_ray:
+                states = await asyncio.to_thread(self.host.states, self.workers)
                 for w, s in zip(self.workers, states):
                     if s["state"] == "DEAD":
                         lost.append(f"worker {w['name']} (pid {w.get('pid')}): {s['death'] or 'no cause'}")

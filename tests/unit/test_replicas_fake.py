@@ -334,7 +334,7 @@ def test_the_standby_is_left_alone_by_builds_that_are_not_its_own():
     async def scenario():
         b = FakeBuilder()
         b.forkserver_up = True
-        sb = Standby(b, SupervisorMetrics(1, CollectorRegistry()), enabled=True)
+        sb = Standby(b.standby_workers, SupervisorMetrics(1, CollectorRegistry()), enabled=True)
         assert sb.prepare(5, None, replica=1) and sb.reserved() == 5
         await wait_for(lambda: sb.state is StandbyState.READY)
         made = b.standby_made[0]

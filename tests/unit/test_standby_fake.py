@@ -68,7 +68,7 @@ def test_ray_error_while_watching_makes_it_unavailable_then_ready_again(tmp_path
 
     async def scenario():
         sup, b, owner = await started_with_standby(tmp_path)
-        real, calls = b.standby_states, []
+        real, calls = b.standby_workers.states, []
 
         def flaky(workers):
             calls.append(1)
@@ -76,7 +76,7 @@ def test_ray_error_while_watching_makes_it_unavailable_then_ready_again(tmp_path
                 raise RuntimeError("GCS unavailable (fake)")
             return real(workers)
 
-        b.standby_states = flaky
+        b.standby_workers.states = flaky
         await wait_for(lambda: sup.standby.last_error.startswith("RuntimeError: GCS unavailable"), 10)
         await wait_for(lambda: sup.standby.state is StandbyState.READY and len(b.standby_made) == 2, 10)
         assert sup.state is State.READY and not sup.recoveries

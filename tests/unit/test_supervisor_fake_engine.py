@@ -184,6 +184,46 @@ class FakeRayLink:
 
 
 
+class FakeStandbyWorkers:
+    """``supervisor.standby_workers.StandbyWorkers`` simulated on its builder's state: a fork
+    server flag and one "actor" per standby (which ``FakeBuilder.build`` adopts)."""
+
+    namespace = "fake-ns"
+
+    def __init__(self, builder):
+        self.b = builder
+
+    uses_ray = property(lambda self: self.b.uses_ray)
+
+    def start_forkserver(self):
+        self.b.forkserver_up = True
+        return 0.01
+
+    def forkserver_alive(self):
+        return self.b.forkserver_up
+
+    def forkserver_pid(self):
+        return 4242 if self.b.forkserver_up else None
+
+    def stop_forkserver(self):
+        self.b.forkserver_up = False
+
+    def create(self, number, vllm_config, replica=0):
+        actor_id = f"a{len(self.b.standby_made)}"
+        self.b.actor_states[actor_id] = "ALIVE"
+        worker = {"rank": 0, "name": f"w-g{number}", "actor_id": actor_id, "bundle": 0, "handle": None}
+        self.b.standby_made.append(worker)
+        return [dict(worker)]
+
+    def states(self, workers):
+        return [{"state": self.b.actor_states.get(w["actor_id"], "DEAD"), "pid": 100 + int(w["actor_id"][1:]), "death": ""}
+                for w in workers]
+
+    def kill(self, workers):
+        for w in workers:
+            self.b.actor_states[w["actor_id"]] = "DEAD"
+
+
 class FakeBuilder:
     """``supervisor.builder.EngineBuilder`` without Ray or vLLM: fake engines, instant teardown;
     its ``ray`` is a ``FakeRayLink``."""
@@ -204,6 +244,7 @@ class FakeBuilder:
         self.actor_states: dict[str, str] = {}
         self.serving: dict[int, str] = {}  # generation -> actor id of its worker
         self.ray = FakeRayLink(self.serving)
+        self.standby_workers = FakeStandbyWorkers(self)
 
     def prepare_model(self):
         pass
@@ -221,37 +262,6 @@ class FakeBuilder:
         self.serving[number] = live[0]["actor_id"] if standby and standby["namespace"] and live else f"cold-{number}"
         return Generation(number, f"fake-g{number}", engine, set(), 0.05, replica=replica, epoch=self.config_epoch)
 
-    # the warm standby, simulated: a fork server flag and one "actor" per standby
-    standby_namespace = "fake-ns"
-
-    def start_forkserver(self):
-        self.forkserver_up = True
-        return 0.01
-
-    def forkserver_alive(self):
-        return self.forkserver_up
-
-    def forkserver_pid(self):
-        return 4242 if self.forkserver_up else None
-
-    def stop_forkserver(self):
-        self.forkserver_up = False
-
-    def create_standby(self, number, vllm_config, replica=0):
-        actor_id = f"a{len(self.standby_made)}"
-        self.actor_states[actor_id] = "ALIVE"
-        worker = {"rank": 0, "name": f"w-g{number}", "actor_id": actor_id, "bundle": 0, "handle": None}
-        self.standby_made.append(worker)
-        return [dict(worker)]
-
-    def standby_states(self, workers):
-        return [{"state": self.actor_states.get(w["actor_id"], "DEAD"), "pid": 100 + int(w["actor_id"][1:]), "death": ""}
-                for w in workers]
-
-    def kill_standby(self, workers):
-        for w in workers:
-            self.actor_states[w["actor_id"]] = "DEAD"
-
     def front(self, engine):
         return SimpleNamespace(get_tokenizer=lambda: object()), None
 
@@ -267,12 +277,13 @@ class FakeBuilder:
 
 
 class FakeSupervisor(Supervisor):
-    """The real owner and request path over a ``FakeBuilder``."""
+    """The real owner and request path over a ``FakeBuilder`` (with its ``FakeRayLink`` and
+    ``FakeStandbyWorkers``)."""
 
     def __init__(self, settings, build_failures: int = 0, reload_settings=None, builder=None, detokenizer=fake_detokenizer):
         builder = builder or FakeBuilder(build_failures)
         super().__init__(settings, builder.engine_args, registry=CollectorRegistry(),
-                         reload_settings=reload_settings, builder=builder)
+                         reload_settings=reload_settings, builder=builder, standby_workers=builder.standby_workers)
         if detokenizer is not None:  # None: vLLM's, over the request path's real tokenizer
             self.client.new_detokenizer = detokenizer
 
