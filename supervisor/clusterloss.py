@@ -42,7 +42,7 @@ class ClusterLoss:
                 or ray.released or (event.agent_pid is not None and event.agent_pid != ray.agent_pid)):
             return  # a repeat, or a report about an older agent
         being_built = [r.building for r in sup.replicas if r.building is not None]  # their engine cores lost it too
-        timeout = sup.settings.ray.reconnect_timeout_s
+        timeout = ray.settings.reconnect_timeout_s  # the ray settings of the start (a reload's apply at the next)
         log.error("ray cluster lost", address=event.address, detail=event.detail, reconnect_timeout_s=timeout,
                   detect_ms=round((time.monotonic() - event.detected_monotonic) * 1000, 1))
         self.lost_monotonic = event.detected_monotonic
@@ -52,8 +52,9 @@ class ClusterLoss:
         sup.recovery.doom(being_built)
         reason = f"ray cluster lost ({event.address}: {event.detail}); waiting up to {timeout:g} s for it"
         for rep in sup.replicas:  # a recovery under way from a death the loss explains
+            before = rep.record.reason if rep.record is not None else None
             if rep.record is not None and rep.record.add_cluster_lost(event.detected_monotonic, reason):
-                log.info("failure cause refined", cause="ray_lost", replica=rep.index, refined_from=rep.record.first.reason)
+                log.info("failure cause refined", cause="ray_lost", replica=rep.index, refined_from=before)
         serving = [r.current for r in sup.replicas if r.serving()]
         for gen in serving:
             if sup.state is not State.STOPPING:
@@ -71,12 +72,12 @@ class ClusterLoss:
 
     async def _reconnect(self) -> tuple[bool, str]:
         sup, ray = self.sup, self.sup.ray
-        timeout = sup.settings.ray.reconnect_timeout_s
+        timeout = ray.settings.reconnect_timeout_s
         lost_at = self.lost_monotonic or time.monotonic()
         private = ray.cluster.started_local
         # The configured host:port when there is one (a head that returns on a new IP behind a
         # name), else the address Ray reported (``auto``).
-        configured = sup.settings.ray.address
+        configured = ray.settings.address
         address = configured if split_address(configured) else ray.gcs_address
         while time.monotonic() < lost_at + timeout:
             if sup.state is State.STOPPING:

@@ -81,7 +81,7 @@ class Supervisor:
         # The standby prepares one next generation, for whichever replica fails first. Its workers
         # are the V2 executor's: the compiled-graph executor cannot adopt them.
         standby_workers = standby_workers or StandbyWorkers(self.ray, self.builder.instance_id, settings.ray.namespace,
-                                                            self.builder.uses_ray)
+                                                            lambda: self.builder.uses_ray)
         self.standby = Standby(standby_workers, self.metrics, enabled=self.cfg.standby == "warm"
                                and not getattr(self.builder, "compiled_graph", False))
         # where each new request goes between replicas (with one there is no choice to make)
@@ -184,7 +184,7 @@ class Supervisor:
 
         loop = asyncio.get_running_loop()
         self._install_signal_handlers()
-        background = [self.spawn(listen_for_worker_deaths(self.event_endpoint, self.post)),
+        background = [self.spawn(listen_for_worker_deaths(self.event_endpoint, lambda ev: self.post(ev))),
                       self.spawn(self.probe.run()), self.spawn(self.clusterwatch.run()),
                       self.spawn(watchdog_loop(self.notifier, lambda: self.state is State.STARTING,
                                                lambda: self.state.terminal))]

@@ -50,7 +50,7 @@ class DetectorView:
 
     @property
     def gcs_lost_after_s(self) -> float:
-        return self._owner.settings.ray.gcs_lost_after_s
+        return self._owner.ray.settings.gcs_lost_after_s  # the start's (ray settings apply at the next start)
 
     # --- the daemon and its engines ---
 

@@ -11,11 +11,16 @@ from supervisor.raylink import RayLink
 
 
 class StandbyWorkers:
-    def __init__(self, ray: RayLink, instance_id: Callable[[int], str], namespace: str, uses_ray: bool):
+    def __init__(self, ray: RayLink, instance_id: Callable[[int], str], namespace: str, uses_ray: Callable[[], bool]):
         self.ray = ray
         self.instance_id = instance_id  # generation number -> the id its workers are named by
         self.namespace = namespace  # the Ray namespace the standby's workers live in
-        self.uses_ray = uses_ray  # without Ray (the mp executor): the fork server only
+        self._uses_ray = uses_ray  # the engine's executor now (a reload may change it)
+
+    @property
+    def uses_ray(self) -> bool:
+        """Ray's executor: standby workers; without Ray (the mp executor) the fork server only."""
+        return self._uses_ray()
 
     @staticmethod
     def start_forkserver() -> float:

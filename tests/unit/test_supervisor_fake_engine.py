@@ -282,6 +282,7 @@ class FakeSupervisor(Supervisor):
 
     def __init__(self, settings, build_failures: int = 0, reload_settings=None, builder=None, detokenizer=fake_detokenizer):
         builder = builder or FakeBuilder(build_failures)
+        builder.ray.settings = settings.ray  # what RayLink is built with: the start's ray settings
         super().__init__(settings, builder.engine_args, registry=CollectorRegistry(),
                          reload_settings=reload_settings, builder=builder, standby_workers=builder.standby_workers)
         if detokenizer is not None:  # None: vLLM's, over the request path's real tokenizer
