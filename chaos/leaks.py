@@ -77,6 +77,46 @@ def mapped_by(pids: set[int]) -> set[str]:
     return names
 
 
+def open_files(pid: int) -> dict[str, int]:
+    """What ``pid``'s descriptors point at (``socket:[123]``, ``pipe:[456]``, paths) -> the
+    fd's access mode (0 read, 1 write, 2 both, from ``fdinfo``)."""
+    out: dict[str, int] = {}
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return out
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            with open(f"/proc/{pid}/fdinfo/{fd}") as fh:
+                flags = next(int(line.split()[1], 8) for line in fh if line.startswith("flags:"))
+        except (OSError, StopIteration, ValueError):
+            continue
+        out[target] = max(out.get(target, 0), flags & 3)
+    return out
+
+
+def inherited(daemon: int, children: Iterable[int], reaper: int | None = None) -> dict[int, list[str]]:
+    """Per child of ``daemon``: the daemon's sockets it holds (listening sockets, the asyncio
+    signal wake-up socket, any other: a child that was not forked shares none) and the write
+    end of the crash reaper's pipe (the reaper's stdin, whose end of file is the daemon's
+    death). Empty when nothing was inherited."""
+    ours = {t for t in open_files(daemon) if t.startswith("socket:")}
+    if reaper is not None:
+        try:
+            ours.add(os.readlink(f"/proc/{reaper}/fd/0"))  # its stdin: the pipe only the daemon writes
+        except OSError:
+            pass
+    found = {}
+    for pid in children:
+        if pid == reaper:
+            continue
+        held = sorted(t for t in open_files(pid) if t in ours)
+        if held:
+            found[pid] = [f"{t} ({cmdline(pid)[:60]})" for t in held]
+    return found
+
+
 class Leaks:
     """A snapshot now; ``new()`` later lists what appeared since and is still there."""
 

@@ -1,8 +1,9 @@
 """The standby engine-core process: a fork server with vLLM already imported.
 
-vLLM starts the engine core with ``spawn`` wherever ``fork`` is unsafe (always on the CPU
-platform, which sets ``VLLM_WORKER_MULTIPROC_METHOD=spawn``): a fresh interpreter that
-imports vLLM again, about 6 s of every engine start on a 2-core machine. Python's
+The daemon starts every engine core with ``spawn`` (``engine_core_start_method``; a fork of the
+daemon is never safe, ``supervisor.children`` says why, and vLLM's own default, ``fork``, is
+what it would use on CUDA): a fresh interpreter that imports vLLM again, about 6 s of every
+engine start on a 2-core machine. Python's
 ``forkserver`` start method keeps one process that imported the modules once and forks a
 child per ``Process.start()``; the child unpickles its target and arguments exactly as a
 spawned one would, so vLLM's engine core runs unchanged.
@@ -128,19 +129,24 @@ def stop(timeout_s: float = 5.0) -> None:
             time.sleep(0.05)
 
 
+def _spawn_context() -> multiprocessing.context.BaseContext:
+    return multiprocessing.get_context("spawn")
+
+
 @contextlib.contextmanager
 def engine_core_start_method(use_forkserver: bool) -> Iterator[None]:
     """While building one engine: vLLM's engine-core launcher forks from the fork server
-    instead of spawning. A no-op when ``use_forkserver`` is false."""
-    if not use_forkserver:
-        yield
-        return
+    (``use_forkserver``) or spawns, and never forks the daemon, whatever
+    ``VLLM_WORKER_MULTIPROC_METHOD`` says (``supervisor.children``: a forked engine core would
+    carry the daemon's signal wake-up fd, listening sockets and the reaper's pipe). The
+    variable still applies inside the engine core, to the ``mp`` executor's workers."""
     import vllm.v1.engine.utils as engine_utils
 
     original = engine_utils.get_mp_context
+    context = _CONTEXT if use_forkserver else _spawn_context()
     # vLLM's own function still runs for its side effects (it forces and exports the start
     # method its children use, and syncs device visibility variables); its context is not used.
-    engine_utils.get_mp_context = lambda: (original(), _CONTEXT)[1]
+    engine_utils.get_mp_context = lambda: (original(), context)[1]
     try:
         yield
     finally:

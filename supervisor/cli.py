@@ -139,6 +139,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command != "serve":
         print(f"unknown command {command!r}; usage: {USAGE}", file=sys.stderr)
         return 2
+    from supervisor.children import forget_signals_in_forks, prefer_spawn
+
+    prefer_spawn()  # before anything imports vLLM, as `vllm serve` does
+    forget_signals_in_forks()
     try:
         settings, ns = parse_serve(rest)
     except ConfigError as exc:

@@ -76,6 +76,24 @@ def test_kill_is_recovered_in_the_standby_process(tp1, ray_head):
     print(f"\nengine_start with the standby: {rec['phases_s']['engine_start']:.1f} s, phases {rec['phases_s']}")
 
 
+def test_no_child_holds_the_daemons_sockets_or_the_reapers_pipe(tp1, ray_head):
+    """After a recovery, the engine core (forked by the fork server), the fork server and the
+    Ray agent hold none of the daemon's sockets (HTTP and control listeners, the loop's signal
+    wake-up socket) nor the write end of the crash reaper's pipe (``supervisor.children``)."""
+    from chaos.leaks import cmdline, inherited
+    from executor.reaper import descendants
+
+    daemon, _ = tp1
+    s = daemon.wait_standby()
+    children = sorted(pid for pid, _ in descendants(daemon.proc.pid))
+    names = {pid: cmdline(pid) for pid in children}
+    reapers = [pid for pid, c in names.items() if "executor.reaper" in c]
+    assert len(reapers) == 1, names
+    assert s["standby"]["forkserver_pid"] in children, names
+    assert any("EngineCore" in c for c in names.values()), names
+    assert inherited(daemon.proc.pid, children, reaper=reapers[0]) == {}
+
+
 def test_killed_standby_is_replaced_without_a_recovery(tp1, ray_head):
     daemon, ref = tp1
     s = daemon.wait_standby()
