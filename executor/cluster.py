@@ -21,6 +21,13 @@ class PlacementGroupTimeout(RuntimeError):
     """The placement group could not be placed before its deadline."""
 
 
+CLAIM_PREFIX = "vllm_Claim_"  # + the worker's name after "vllm_Worker_" (executor.adoption)
+WORKER_PREFIX = "vllm_Worker_"
+# How long a claim waits for its killed worker's process to exit: more than a raylet's
+# SIGKILL of a worker that does not answer the kill (5 s, measured on Ray 2.60).
+CLAIM_RELEASE_WAIT_S = 10.0
+
+
 SPREAD_WAIT_S = 5.0  # how long a replica's group waits for a node of its own before it may share one
 
 
@@ -178,18 +185,34 @@ class RayCluster:
         return []
 
     @classmethod
-    def kill_instance_actors(cls, instance_id: str) -> list[str]:
+    def kill_instance_actors(cls, instance_id: str, release_wait_s: float = CLAIM_RELEASE_WAIT_S) -> list[str]:
         """Kill every live named actor of engine ``instance_id`` (workers, standbys adopted
-        for it, bundle claims); returns names."""
-        killed = []
+        for it), then release its bundle claims once those workers' processes are gone
+        (``release_claims``); returns names."""
+        killed, claims = [], []
         for namespace, name in cls.actors_named(f"_{instance_id}"):
             if not names_instance(name, instance_id):
+                continue
+            if name.startswith(CLAIM_PREFIX):
+                claims.append((namespace, name))
                 continue
             try:
                 kill_named(name, namespace)
                 killed.append(name)
             except ValueError:  # died meanwhile
                 pass
+        if claims:
+            pids = worker_pids(instance_id)  # Ray keeps a dead actor's pid
+            handles = []
+            for namespace, name in claims:
+                try:
+                    with _KILL_LOOKUP:  # its class is Ray-only (executor.claim): a real handle is cheap
+                        handle = ray.get_actor(name, namespace=namespace)
+                except ValueError:
+                    continue
+                handles.append((handle, pids.get(name[len(CLAIM_PREFIX):], [])))
+                killed.append(name)
+            release_claims(handles, release_wait_s)
         return killed
 
 
@@ -249,6 +272,34 @@ def kill_named(name: str, namespace: str) -> None:
             for key in set(_ActorClassMethodMetadata._cache) - cached:
                 _ActorClassMethodMetadata._cache.pop(key, None)
     ray.kill(handle, no_restart=True)
+
+
+def worker_pids(instance_id: str) -> dict[str, list[int]]:
+    """The pids Ray recorded for engine ``instance_id``'s worker actors, dead or alive, by
+    name without ``vllm_Worker_`` (a replaced standby leaves two records of one name)."""
+    from ray._private import state
+
+    out: dict[str, list[int]] = {}
+    for info in state.actors().values():
+        name = info.get("Name") or ""
+        if name.startswith(WORKER_PREFIX) and names_instance(name, instance_id) and info.get("Pid"):
+            out.setdefault(name[len(WORKER_PREFIX):], []).append(int(info["Pid"]))
+    return out
+
+
+def release_claims(claims: list[tuple[object, list[int]]], wait_s: float = CLAIM_RELEASE_WAIT_S) -> list[dict]:
+    """Release bundle claims after their workers: each claim ``(handle, worker pids)`` waits on
+    its node until those processes are gone, off the GPU too (``BundleClaim.wait_gone``,
+    bounded by ``wait_s``), and only then are the claims killed. A claim released earlier
+    would let the next generation's worker be placed on a GPU whose memory the old one
+    still holds. Returns what each claim saw (``[]`` when none answered)."""
+    refs = [handle.wait_gone.remote(pids, wait_s) for handle, pids in claims if pids]
+    try:
+        seen = ray.get(refs, timeout=wait_s + 5.0) if refs else []
+    except Exception:  # a claim that died or a wait that overran: release anyway, bounded
+        seen = []
+    kill_handles([handle for handle, _ in claims])
+    return seen
 
 
 def kill_handles(handles: list) -> None:
