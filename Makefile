@@ -9,23 +9,28 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(FLAVOR)
 CONSTRAINTS := $(wildcard constraints/$(FLAVOR).txt)
 ARGS   ?=
+comma  := ,
+# Removed after each install: supervisord's `supervisor` package (a vLLM extra's dependency) shadows ours
+# on every flavour. The resolver's CUDA torchvision/torchaudio/torchcodec fail to load beside the CPU
+# torch, so only FLAVOR=cpu drops them; GPU hosts keep them (vision and audio models need them).
+TORCH_EXTRAS := $(if $(filter cpu,$(FLAVOR)),torchvision torchaudio torchcodec)
+UNINSTALL    := $(strip $(TORCH_EXTRAS) supervisor)
 
 .PHONY: venv run test unit extended chaos bench clean
 
 venv: $(STAMP)
 
-# First use: 2 to 4 minutes and 3.7 GB (vLLM, torch, Ray); each step says what it does and pip
-# prints each package as it comes, so a newcomer sees it working.
+# First use: 2 to 4 minutes and 3.7 GB (vLLM, torch, Ray) for the CPU build; the CUDA build downloads
+# several GB more (CUDA torch, NVIDIA libraries). Each step says what it does and pip prints each
+# package as it comes, so a newcomer sees it working.
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	@echo "==> [1/3] virtual environment $(VENV) (first run only; make run/test reuse it)"
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -m pip install --upgrade --quiet pip
-	@echo "==> [2/3] installing vLLM ($(FLAVOR) build), torch, Ray and the test tools: 2 to 4 minutes, 3.7 GB"
+	@echo "==> [2/3] installing vLLM ($(FLAVOR) build), torch, Ray and the test tools: $(if $(filter cpu,$(FLAVOR)),2 to 4 minutes$(comma) 3.7 GB,several GB with the CUDA libraries)"
 	$(PY) -m pip install $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e ".[$(FLAVOR),test]"
-	@echo "==> [3/3] removing packages that break beside the CPU torch"
-	@# The resolver pulls CUDA torchvision/torchaudio/torchcodec that break beside the CPU torch,
-	@# and supervisord's `supervisor` package (a vLLM extra's dependency) that shadows ours.
-	@$(PY) -m pip uninstall --yes --quiet torchvision torchaudio torchcodec supervisor 2>/dev/null || true
+	@echo "==> [3/3] $(if $(TORCH_EXTRAS),removing torchvision/torchaudio/torchcodec (they break beside the CPU torch) and supervisord's 'supervisor' package (it shadows ours),removing supervisord's 'supervisor' package (it shadows ours); torchvision/torchaudio/torchcodec stay beside the CUDA torch)"
+	@$(PY) -m pip uninstall --yes --quiet $(UNINSTALL) 2>/dev/null || true
 	@touch $@
 	@echo "==> ready: $(VENV)"
 
@@ -62,7 +67,7 @@ chaos: extended
 # process restart, 1 vs 2 replicas under load (live migration), prefix-aware routing vs least streams, idle workers per Ray executor, the whole tree idle (vs vllm serve), hang detection on a long prefill, and a 50-fault soak with trend plot. Results: bench/results/.
 bench: venv
 	$(PY) -m pip install --quiet $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e ".[$(FLAVOR),test,bench]"
-	$(PY) -m pip uninstall --yes --quiet torchvision torchaudio torchcodec supervisor 2>/dev/null || true
+	$(PY) -m pip uninstall --yes --quiet $(UNINSTALL) 2>/dev/null || true
 	$(PY) -m bench.serving_overhead --rounds 8
 	$(PY) -m bench.serving_overhead --saturation --rounds 3
 	$(PY) -m bench.recovery --tp 1 2 --kills 5 --anchors 2
