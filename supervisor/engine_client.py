@@ -52,6 +52,10 @@ class SupervisedEngineClient(EngineClient):
         # ``wake_up``: the probe does not take their stillness for a hang.
         self.holds: set[str] = set()
         self.released_monotonic = 0.0  # when the last hold ended
+        # The holds' own calls, for an engine built while they last (``hold_like_the_others``):
+        # sleep's (args, kwargs) and the tags woken since; pause's kwargs.
+        self.asleep: dict[str, Any] | None = None
+        self.paused: dict[str, Any] | None = None
         self.admission = Admission(dispatcher)
         self.streams = Streams(dispatcher, self.admission,
                                lambda ids, params, rid: self.new_detokenizer(self.tokenizer, ids, params, rid),
@@ -192,6 +196,7 @@ class SupervisedEngineClient(EngineClient):
 
     async def sleep(self, *args: Any, **kwargs: Any) -> None:
         self._hold("sleep")
+        self.asleep = {"args": args, "kwargs": kwargs, "woken": []}
         await self._each("sleep", *args, **kwargs)
 
     async def release_kv_cache_memory(self) -> None:
@@ -202,6 +207,10 @@ class SupervisedEngineClient(EngineClient):
             return all(await self._each("wake_up", tags))
         finally:
             self._release("sleep")
+            if tags is None or self.asleep is None:
+                self.asleep = None
+            else:  # a partial wake (vLLM's tags: weights, kv_cache): the rest sleeps on
+                self.asleep["woken"] = sorted(set(self.asleep["woken"]) | set(tags))
 
     async def is_sleeping(self) -> bool:
         return bool(self.d.serving() and any(await self._each("is_sleeping")))
@@ -211,6 +220,7 @@ class SupervisedEngineClient(EngineClient):
 
     async def pause_generation(self, **kwargs: Any) -> None:
         self._hold("pause")
+        self.paused = kwargs
         await self._each("pause_generation", **kwargs)
 
     async def resume_generation(self) -> None:
@@ -218,6 +228,24 @@ class SupervisedEngineClient(EngineClient):
             await self._each("resume_generation")
         finally:
             self._release("pause")
+            self.paused = None
+
+    async def hold_like_the_others(self, engine: Any) -> list[str]:
+        """A newly built engine (a recovery's, a replica's) joins as the operator left the
+        others, before it serves: asleep at the same level, woken as far as they were, paused.
+        Without this a recovery while the engines sleep (vLLM's sleep mode) would leave an
+        awake engine holding the device memory lent to another process. Returns what it did."""
+        done = []
+        if self.asleep is not None:
+            await engine.sleep(*self.asleep["args"], **self.asleep["kwargs"])
+            done.append("sleep")
+            if self.asleep["woken"]:
+                await engine.wake_up(self.asleep["woken"])
+                done.append(f"wake_up {self.asleep['woken']}")
+        if self.paused is not None:
+            await engine.pause_generation(**self.paused)
+            done.append("pause_generation")
+        return done
 
     async def is_paused(self) -> bool:
         return bool(self.d.serving() and any(await self._each("is_paused")))

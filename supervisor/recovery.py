@@ -218,6 +218,8 @@ class Recovery:
                     front = await asyncio.to_thread(builder.front, gen.engine)
                     sup.client.attach(gen.engine, await gen.engine.get_supported_tasks(), front, gen.epoch)
                     self.reattach = False
+                if held := await sup.client.hold_like_the_others(gen.engine):
+                    log.info("new engine held as the others are", engine_generation=number, replica=rep.index, held=held)
             except Exception as exc:
                 error = f"{type(exc).__name__}: {exc}"
                 rep.building, rep.last_error = None, error[:300]

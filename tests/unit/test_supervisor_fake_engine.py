@@ -58,6 +58,28 @@ class FakeEngine:
         self.errored = True
         self.dead.set()
 
+    # vLLM's sleep mode and pause, as the engine client forwards them
+    held: list = None
+    on_hold = None  # test hook: called with the call's name as it happens
+
+    async def _record(self, *call):
+        self.held = (self.held or []) + [call]
+        if (hook := type(self).on_hold) is not None:  # read on the class: a plain function
+            hook(self, call[0])
+
+    async def sleep(self, level=1, mode="abort"):
+        await self._record("sleep", level)
+
+    async def wake_up(self, tags=None):
+        await self._record("wake_up", tags)
+        return True
+
+    async def pause_generation(self, **kwargs):
+        await self._record("pause_generation", kwargs)
+
+    async def resume_generation(self):
+        await self._record("resume_generation")
+
     async def generate(self, prompt, params, request_id):
         try:
             async for out in self._generate(prompt, params):
@@ -376,6 +398,45 @@ def test_hang_is_detected_by_the_probe(tmp_path):
         got = await collect(sup, [9, 9], 25, lambda n: n == 5 and sup.engines[0].hung.set())
         assert got == reference([9, 9], 25)
         assert sup.restarts["hang"] == 1 and sup.recoveries[0]["reason"] == "hang"
+        owner.cancel()
+
+    run(scenario())
+
+
+def test_an_engine_asleep_is_rebuilt_asleep_before_it_serves(tmp_path):
+    """A recovery while the engines sleep (vLLM's sleep mode, GPU only) must not leave an awake
+    engine on memory lent to another process: the new engine is put to sleep again at the same
+    level, and woken as far as the old one was, before it is marked serving; paused, it is paused."""
+    async def scenario():
+        sup = FakeSupervisor(settings(tmp_path))
+        owner = asyncio.create_task(sup.run())
+        await wait_for(lambda: sup.state is State.READY)
+        seen = []
+        FakeEngine.on_hold = lambda engine, call: seen.append(
+            (call, getattr(sup.replicas[0].current, "engine", None) is engine, sup.state))
+        try:
+            await sup.client.sleep(2)
+            await sup.client.wake_up(["weights"])
+            await sup.client.pause_generation(mode="keep")
+            assert sup.engines[0].held == [("sleep", 2), ("wake_up", ["weights"]), ("pause_generation", {"mode": "keep"})]
+            seen.clear()
+            sup.engines[0].die()
+            sup.post(EngineFailed(1, "worker_death", "rank 0 killed"))
+            await wait_for(lambda: sup.generation_number == 2 and sup.state is State.READY)
+            assert sup.engines[1].held == [("sleep", 2), ("wake_up", ["weights"]), ("pause_generation", {"mode": "keep"})]
+            # each before the new engine served: not yet the replica's, the daemon still recovering
+            assert [(c, current) for c, current, _ in seen] == [("sleep", False), ("wake_up", False), ("pause_generation", False)]
+            assert all(state is State.RECOVERING for _, _, state in seen), seen
+            # woken and resumed, the next engine is built as it is
+            await sup.client.wake_up()
+            await sup.client.resume_generation()
+            assert sup.client.asleep is None and sup.client.paused is None
+            sup.engines[1].die()
+            sup.post(EngineFailed(2, "worker_death", "rank 0 killed"))
+            await wait_for(lambda: sup.generation_number == 3 and sup.state is State.READY)
+            assert sup.engines[2].held is None
+        finally:
+            FakeEngine.on_hold = None
         owner.cancel()
 
     run(scenario())
