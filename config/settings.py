@@ -91,6 +91,11 @@ class ServerSettings(_Section):
     max_body_bytes: int = Field(1 << 20, ge=1024)
 
 
+# A GPU engine's first steps may compile kernels (Triton autotuning, FlashInfer's JIT): tens of
+# seconds for one step on a cold cache, the first time each shape is met.
+GPU_FIRST_STEPS_TIMEOUT_S = 90.0
+
+
 class SupervisorSettings(_Section):
     data_dir: Path = Field(Path("~/.local/share/vllm-supervisor"), description="Demo model cache.")
     drain_timeout_s: float = Field(30.0, ge=0, description="SIGTERM: how long in-flight requests may finish.")
@@ -118,6 +123,13 @@ class SupervisorSettings(_Section):
     # 5 s). Raise it where one engine step (a prefill chunk) can take longer than this.
     hang_timeout_s: float = Field(
         4.0, gt=0, description="a busy engine that takes no step for this long is hung (found within about 0.7 s more)")
+    # A GPU kernel compiled on its first use (Triton, FlashInfer JIT) runs inside an engine step,
+    # for seconds to a minute: a new generation's first steps may take longer than hang_timeout_s.
+    hang_first_steps: int = Field(
+        64, ge=0, description="a new engine generation's first this many steps are judged by hang_first_steps_timeout_s")
+    hang_first_steps_timeout_s: float | None = Field(
+        None, gt=0, description="the hang timeout of a generation's first hang_first_steps steps; "
+                                "unset: 90 s on a GPU platform (kernels compiled on first use), hang_timeout_s on CPU")
     probe_failure_threshold: int = Field(2, ge=1)
     replicas: int = Field(
         1, ge=1, le=64, description="engine replicas, each with its own workers; a failed one's streams move to the others")
@@ -129,6 +141,12 @@ class SupervisorSettings(_Section):
     control_socket: str = Field("", description="Control socket path; empty = $RUNTIME_DIRECTORY/control.sock, else /tmp/vllm-supervisor-<port>.sock")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["auto", "json", "console"] = "auto"
+
+    def first_steps_timeout(self, cpu_platform: bool) -> float:
+        """The hang timeout of a new generation's first ``hang_first_steps`` steps."""
+        if self.hang_first_steps_timeout_s is not None:
+            return max(self.hang_first_steps_timeout_s, self.hang_timeout_s)
+        return self.hang_timeout_s if cpu_platform else max(GPU_FIRST_STEPS_TIMEOUT_S, self.hang_timeout_s)
 
     @field_validator("data_dir")
     @classmethod

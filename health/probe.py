@@ -5,7 +5,9 @@ engine took no step for ``hang_timeout_s`` (since the oldest stream began, so ne
 hide a hang) and still none ``CONFIRM_S`` later is hung (one ``EngineFailed``, no threshold). The clock is the engine's own steps
 (``executor.steps``): each chunk of a chunked prefill is one, so a long prompt is progress
 although no token comes out for a long time; an engine that reports no steps (vLLM's stats off)
-is judged by its tokens. The idle canary is a stream too: a hung idle engine is found
+is judged by its tokens. A new generation's first ``hang_first_steps`` steps get
+``hang_first_steps_timeout_s`` instead (90 s on a GPU: a kernel compiled on its first use runs
+inside a step; no grace on CPU by default). The idle canary is a stream too: a hung idle engine is found
 ``hang_timeout_s`` after the canary that finds it was sent ("… with the idle canary running"),
 sooner than its timeout with the defaults. While the engines are held on purpose (vLLM's
 ``pause_generation``, ``sleep``: ``/pause``, ``/sleep``) nothing is checked, and the wait of a
@@ -49,7 +51,7 @@ def stalled(gen: Any, hang_timeout_s: float, now: float | None = None, since: fl
     now = time.monotonic() if now is None else now
     oldest = min(start for start, _ in gen.pumps.values())
     waited = now - max(gen.last_progress(), oldest, since)
-    if waited <= hang_timeout_s:
+    if waited <= gen.hang_timeout(hang_timeout_s):  # longer for a new generation's first steps
         return None
     clock = "engine step" if gen.steps is not None and gen.steps.ticking else "token"
     running = (f"{len(gen.pumps)} stream(s) running" if any(not _is_canary(t) for t in gen.pumps)

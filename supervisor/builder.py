@@ -120,7 +120,11 @@ class EngineBuilder:
                 self._shm_at_build_start = None
         build_s = time.monotonic() - started
         log.info("engine up", engine_generation=number, replica=replica, build_s=round(build_s, 2))
-        return Generation(number, instance_id, engine, shm_before, build_s, replica=replica, epoch=epoch, steps=steps)
+        from executor.engine import is_cpu_platform
+
+        cfg = self.settings.supervisor
+        return Generation(number, instance_id, engine, shm_before, build_s, replica=replica, epoch=epoch, steps=steps,
+                          first_steps=cfg.hang_first_steps, first_steps_timeout_s=cfg.first_steps_timeout(is_cpu_platform()))
 
     def front(self, engine: Any) -> tuple[Any, Any]:
         """The request path's own renderer and input processor (they outlive ``engine``)."""

@@ -51,6 +51,16 @@ class Generation:
     epoch: int = 0  # the engine arguments it was built with (EngineBuilder.config_epoch: +1 per reload that changed them)
     last_output_monotonic: float = field(default_factory=time.monotonic)  # its last token
     steps: Any = None  # executor.steps.StepClock: its last engine step (the probe's hang check)
+    # its first ``first_steps`` steps are judged by ``first_steps_timeout_s`` (a kernel compiled
+    # on first use runs inside a step; ``SupervisorSettings.first_steps_timeout``)
+    first_steps: int = 0
+    first_steps_timeout_s: float = 0.0
+
+    def hang_timeout(self, steady_s: float) -> float:
+        """How long this generation may take no step, busy, before it is hung: ``steady_s``
+        once it has taken ``first_steps`` steps (or when it reports none), longer before."""
+        taken = self.steps.steps if self.steps is not None else self.first_steps
+        return max(steady_s, self.first_steps_timeout_s) if taken < self.first_steps else steady_s
 
     def last_progress(self) -> float:
         """When the engine last moved (``time.monotonic()``): its last step, or its last token

@@ -66,6 +66,30 @@ def test_new_arrivals_do_not_hide_a_hang_and_a_new_stream_gets_its_time():
     assert stalled(gen, 4.0, now + 2.5) is not None  # 4.5 s for the oldest: hung, arrivals or not
 
 
+def test_a_new_generations_first_steps_may_compile_kernels():
+    """A GPU kernel compiled on its first use (Triton, FlashInfer) runs inside a step: a new
+    generation's first ``hang_first_steps`` steps get ``first_steps_timeout_s``, then the
+    steady ``hang_timeout_s`` applies. On CPU the default is no grace at all."""
+    from config.settings import GPU_FIRST_STEPS_TIMEOUT_S, SupervisorSettings
+
+    clock = StepClock()
+    gen = Generation(1, "g1", object(), set(), 0.0, steps=clock, first_steps=64, first_steps_timeout_s=90.0)
+    now = time.monotonic()
+    gen.pumps[object()] = (now - 60, None)
+    gen.last_output_monotonic = now - 60
+    clock.steps, clock.last_monotonic = 3, now - 30  # step 4 compiles for 30 s: not hung
+    assert stalled(gen, 4.0, now) is None
+    assert stalled(gen, 4.0, now + 61).startswith("no engine step for 91.0 s")  # past the grace: hung
+    clock.steps = 64  # its first steps are done: the steady timeout
+    assert stalled(gen, 4.0, now).startswith("no engine step for 30.0 s")
+
+    cfg = SupervisorSettings()
+    assert cfg.first_steps_timeout(cpu_platform=True) == cfg.hang_timeout_s == 4.0
+    assert cfg.first_steps_timeout(cpu_platform=False) == GPU_FIRST_STEPS_TIMEOUT_S
+    assert SupervisorSettings(hang_first_steps_timeout_s=20).first_steps_timeout(cpu_platform=True) == 20
+    assert SupervisorSettings(hang_first_steps_timeout_s=2, hang_timeout_s=6).first_steps_timeout(cpu_platform=False) == 6
+
+
 def test_without_steps_reported_tokens_are_the_clock():
     gen = generation(StepClock())  # stats off: never ticks
     now = time.monotonic()
