@@ -3,7 +3,8 @@
 Workers are stopped with ``ray.kill`` and a dead engine core never runs its
 finalizers, so their shared-memory rings (``psm_*``) and the CPU communicator's
 ``*cpushm*`` files stay; the compiled-graph executor's Ray channels leave their named POSIX
-semaphores (``sem.hdr<pid>-*``, ``sem.obj<pid>-*``). We attribute segments to an engine generation by what
+semaphores (``sem.hdr<pid>-*``, ``sem.obj<pid>-*``); on GPU hosts NCCL's shared-memory
+transport and proxy leave ``nccl-*`` (``ncclShmOpen``'s ``/dev/shm/nccl-XXXXXX``) when a rank is killed. We attribute segments to an engine generation by what
 appeared while it was being built, and remove only those of ours that no live
 process still maps.
 """
@@ -15,7 +16,7 @@ import re
 from pathlib import Path
 
 SHM_DIR = Path("/dev/shm")
-_VLLM_SEGMENT = re.compile(r"^(psm_|wnsm_|sem\.(hdr|obj)\d+-)|cpushm")
+_VLLM_SEGMENT = re.compile(r"^(psm_|wnsm_|nccl-|sem\.(hdr|obj)\d+-)|cpushm")
 
 
 def vllm_segments(shm_dir: Path = SHM_DIR) -> set[str]:
