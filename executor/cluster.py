@@ -79,7 +79,7 @@ class RayCluster:
     # --- placement group -----------------------------------------------------------
 
     def create_placement_group(self, name: str, num_bundles: int, device: str,
-                               others: list[PlacementGroup] | tuple = ()) -> PlacementGroup:
+                               others: list[PlacementGroup] | tuple = (), first_bundle_here: bool = False) -> PlacementGroup:
         """One bundle per worker ({"CPU": 1} or {"GPU": 1}); waits until it is placed.
 
         Replicas spread across nodes: when ``others`` (the other replicas' groups) hold
@@ -87,19 +87,26 @@ class RayCluster:
         selector on ``ray.io/node-id``) for nodes the others do not use, for up to
         ``SPREAD_WAIT_S``; then it may share a node like any group.
 
+        ``first_bundle_here``: the first bundle is on this node, whatever the spreading
+        (vLLM's compiled-graph executor refuses a group without a bundle on its engine core's
+        node, which is this one: ``ray_utils._verify_bundles``; vLLM pins its own groups the
+        same way).
+
         Waiting retries with exponential backoff and jitter up to
         ``placement_timeout_s``; on timeout the error names what is missing.
         """
         bundles = [{device: 1.0} for _ in range(num_bundles)]
+        here = [{NODE_ID_LABEL_KEY: ray.get_runtime_context().get_node_id()}] if first_bundle_here else []
         used = sorted({n for pg in others for n in self.placement_group_nodes(pg)})
-        if used and any(n["Alive"] and n["NodeID"] not in used and n["Resources"].get(device, 0) >= num_bundles
+        if used and any(n["Alive"] and n["NodeID"] not in used and n["Resources"].get(device, 0) >= num_bundles - len(here)
                         for n in ray.nodes()):
-            avoid = [{NODE_ID_LABEL_KEY: f"!in({','.join(used)})"} for _ in bundles]
+            avoid = here + [{NODE_ID_LABEL_KEY: f"!in({','.join(used)})"} for _ in bundles[len(here):]]
             pg = placement_group(bundles, strategy=self.settings.placement_strategy, name=name, bundle_label_selector=avoid)
             if pg.wait(timeout_seconds=SPREAD_WAIT_S):
                 return pg
             remove_placement_group(pg)
-        pg = placement_group(bundles, strategy=self.settings.placement_strategy, name=name)
+        pg = placement_group(bundles, strategy=self.settings.placement_strategy, name=name,
+                             bundle_label_selector=here + [{} for _ in bundles[len(here):]] if here else None)
 
         @tenacity.retry(
             retry=tenacity.retry_if_result(lambda ready: not ready),

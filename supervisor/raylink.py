@@ -77,7 +77,7 @@ class RayLink:
             self._ensure_placement_group(replica)
 
     def _ensure_placement_group(self, replica: int) -> None:
-        from executor.engine import is_cpu_platform
+        from executor.engine import is_cpu_platform, uses_compiled_graph
 
         pg = self.placement_groups.get(replica)
         if pg is not None:
@@ -89,7 +89,8 @@ class RayLink:
         device = "CPU" if is_cpu_platform() else "GPU"
         started = time.monotonic()
         others = [g for r, g in list(self.placement_groups.items()) if r != replica]
-        pg = self.cluster.call("create_placement_group", self.placement_group_name(replica), self._world_size, device, others)
+        pg = self.cluster.call("create_placement_group", self.placement_group_name(replica), self._world_size, device, others,
+                               uses_compiled_graph())  # its engine core (this node) must hold a bundle
         self.placement_groups[replica] = pg
         log.info("placement group ready", replica=replica, bundles=self._world_size, device=device,
                  nodes=self.cluster.call("placement_group_nodes", pg), took_s=round(time.monotonic() - started, 3))
