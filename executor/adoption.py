@@ -12,6 +12,35 @@ from vllm.platforms import current_platform
 
 CLAIM_PREFIX = "vllm_Claim_"
 
+# The actor options in which a standby differs from the worker vLLM creates, by design: its
+# own name and namespace, no resources (the executor's bundle claim holds them), node affinity
+# instead of the placement group. Every other option it must have been created with as vLLM's.
+OWN_OPTIONS = frozenset({"name", "namespace", "num_cpus", "num_gpus", "resources", "scheduling_strategy"})
+_MISSING = object()
+
+
+def creation_options(options: dict) -> dict:
+    """Of the options vLLM creates a worker actor with, those a standby must share."""
+    return {k: v for k, v in options.items() if k not in OWN_OPTIONS}
+
+
+def option_mismatch(standby: dict, worker: dict) -> list[str]:
+    """The options (``runtime_env.env_vars.<VAR>`` for a variable) in which a standby created
+    with ``standby`` differs from a worker vLLM creates with ``worker``; empty: it may stand
+    for it. The runtime env takes effect when the process starts: it cannot be fixed later."""
+    standby, worker = creation_options(standby), creation_options(worker)
+    differ = []
+    for key in sorted(set(standby) | set(worker)):
+        if key == "runtime_env":
+            ours, theirs = dict(standby.get(key) or {}), dict(worker.get(key) or {})
+            env_ours, env_theirs = ours.pop("env_vars", None) or {}, theirs.pop("env_vars", None) or {}
+            differ += [f"runtime_env.env_vars.{v}" for v in sorted(set(env_ours) | set(env_theirs))
+                       if env_ours.get(v) != env_theirs.get(v)]
+            differ += [f"runtime_env.{k}" for k in sorted(set(ours) | set(theirs)) if ours.get(k) != theirs.get(k)]
+        elif standby.get(key, _MISSING) != worker.get(key, _MISSING):
+            differ.append(key)
+    return differ
+
 
 def bundle_node(placement_group: Any, bundle_index: int) -> str:
     """The id of the node ``placement_group``'s bundle ``bundle_index`` is placed on."""
@@ -57,12 +86,14 @@ class _AdoptingCall:
         return handle if handle is not None else self._wrapper.remote(**init_kwargs)
 
 
-def claim_bundle(strategy: Any, name: str, resources: dict) -> tuple[Any, list[str]]:
+def claim_bundle(strategy: Any, name: str, resources: dict, namespace: str) -> tuple[Any, list[str]]:
     """A claim actor holding ``resources`` of the bundle ``strategy`` names; returns it and
-    the device ids Ray gave it."""
+    the device ids Ray gave it. Detached: it must outlive the engine core that creates it
+    (an owner's death takes its actors at once, in no order), to be released only after its
+    worker has gone (``executor.cluster.release_claims``); it still goes with the placement group."""
     device_key = current_platform.ray_device_key
     from executor.claim import BundleClaim
 
-    claim = ray.remote(BundleClaim).options(name=name, num_cpus=0, scheduling_strategy=strategy,
-                                            **resources).remote()
+    claim = ray.remote(BundleClaim).options(name=name, namespace=namespace, lifetime="detached", num_cpus=0,
+                                            scheduling_strategy=strategy, **resources).remote()
     return claim, ray.get(claim.accelerator_ids.remote(device_key))

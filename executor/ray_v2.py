@@ -112,9 +112,11 @@ class SupervisedRayExecutor(DeathReporter, _v2.RayExecutorV2):
 
     def _adopt_standby(self, options: dict, init_kwargs: dict) -> Any:
         """The standby named ``options["name"]``, adopted with ``init_kwargs``; None when
-        there is none or it cannot be adopted (vLLM then creates the actor)."""
+        there is none or it cannot be adopted (vLLM then creates the actor): among others when
+        it was created with other actor options than ``options`` (vLLM's, but for those a
+        standby sets otherwise) or initialised CUDA while importing."""
         from executor.cluster import kill_handles
-        from executor.adoption import CLAIM_PREFIX, bundle_node, claim_bundle
+        from executor.adoption import CLAIM_PREFIX, bundle_node, claim_bundle, option_mismatch
 
         name = options["name"]
         try:
@@ -125,11 +127,19 @@ class SupervisedRayExecutor(DeathReporter, _v2.RayExecutorV2):
         strategy = options["scheduling_strategy"]
         claim, claimed_ids = None, None
         try:
+            info = ray.get(handle.standby_info.remote())
+            differ = option_mismatch(info["created_with"], options)
+            if differ or info["cuda_initialized"]:
+                reason = (f"created with other settings than vLLM's worker: {', '.join(differ)}" if differ
+                          else f"it initialised CUDA while importing (pid {info['pid']})")
+                logger.error("standby %s refused: %s", name, reason)
+                raise RuntimeError(reason)
             node_id = bundle_node(strategy.placement_group, strategy.placement_group_bundle_index)
             if not current_platform.is_cpu():  # hold the bundle's device for the adopted worker
                 resources = {k: v for k, v in _v2.RayExecutorV2._get_actor_resource_kwargs().items()
                              if k in ("num_gpus", "resources")}
-                claim, ids = claim_bundle(strategy, name.replace("vllm_Worker_", CLAIM_PREFIX, 1), resources)
+                claim, ids = claim_bundle(strategy, name.replace("vllm_Worker_", CLAIM_PREFIX, 1), resources,
+                                          self._standby_namespace)
                 claimed_ids = list(ids)  # Ray's ids as strings (they may be UUIDs)
             pid = ray.get(handle.adopt.remote(node_id, claimed_ids, **init_kwargs))
         except Exception as exc:
@@ -137,7 +147,7 @@ class SupervisedRayExecutor(DeathReporter, _v2.RayExecutorV2):
             kill_handles([h for h in (handle, claim) if h is not None])
             return None
         if claim is not None:
-            self._claims.append(claim)
+            self._claims.append((claim, [pid]))
         self.adopted[init_kwargs["rank"]] = pid
         logger.info("adopted standby %s (pid %d) for rank %d", name, pid, init_kwargs["rank"])
         return handle
@@ -180,9 +190,11 @@ class SupervisedRayExecutor(DeathReporter, _v2.RayExecutorV2):
         super().shutdown()
         _unlink_shm(rings)
         if getattr(self, "_claims", None):
-            from executor.cluster import kill_handles
+            from executor.cluster import release_claims
 
-            kill_handles(self._claims)
+            # the workers were killed above; their claims go once their processes have
+            seen = release_claims(self._claims)
+            logger.info("bundle claims released after their workers: %s", seen or "no claim answered")
             self._claims = []
 
     def _collect_dead_ranks(self) -> list[Dead]:

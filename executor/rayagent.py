@@ -87,10 +87,12 @@ class RayService(RayCluster):
 
     # --- the warm standby's workers (executor.standby) ----------------------------------
 
-    def create_standby(self, vllm_config: Any, pg: Any, instance_id: str, namespace: str) -> list[dict]:
+    def create_standby(self, vllm_config: Any, pg: Any, instance_id: str, namespace: str, options: dict) -> list[dict]:
+        """``options``: the actor options, computed by the daemon (``executor.standby.worker_options``:
+        vLLM reads them from the environment of the process it runs in, and this one's is older)."""
         from executor.standby import create_standby_workers
 
-        workers = create_standby_workers(vllm_config, pg, instance_id, namespace)
+        workers = create_standby_workers(vllm_config, pg, instance_id, namespace, options)
         for w in workers:
             self.handles[w["actor_id"]] = (w["name"], w.pop("handle"))
         return workers

@@ -11,7 +11,19 @@ fault by the supervisor (its owner, so it dies with the daemon):
   adopt it, and it must not die with one replica's group), holding **no** resources
   (``num_cpus=0``, ``num_gpus=0``): it never takes a bundle from the serving generation,
   touches no device, and on a GPU host holds no device memory;
-* with vLLM's worker, model runner and the model's module imported, then idle.
+* with vLLM's worker, model runner and the model's module imported, then idle; while it
+  imports and idles it sees no device (``CUDA_VISIBLE_DEVICES=""``): a CUDA call in an
+  import would otherwise create a context on GPU 0 in every standby, kept by the adopted
+  worker. ``adopt`` puts the variable back as the process had it before vLLM's ``__init__``
+  runs (vLLM's workers run with Ray's ``NOSET_CUDA_VISIBLE_DEVICES`` and never set it; Ray
+  sets nothing for an actor holding no GPU). A standby in which torch initialised CUDA
+  anyway says so (``standby_info``) and refuses adoption;
+* with the actor options vLLM's executor gives its workers (the runtime env above all: it
+  takes effect when the process starts), computed by ``worker_options`` in the daemon,
+  whose environment the next engine core starts with (the Ray agent that creates the
+  actor started before vLLM's config wrote its variables). The executor compares them with
+  its own at adoption (``executor.adoption.option_mismatch``) and creates the worker cold
+  when they differ.
 
 vLLM's ``RayWorkerProc`` already splits its start in two: a light ``__init__`` that keeps
 its arguments, and ``initialize_worker`` after the GPU ids are known. A standby is a
@@ -29,6 +41,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import sys
 import time
 from typing import Any
 
@@ -42,34 +55,60 @@ from executor.ray_v2 import SupervisedRayWorkerProc
 # warnings only.
 logger = logging.getLogger("vllm.supervisor.executor")
 
+# The devices a standby does not see until adopted (CUDA's runtime and ROCm's HIP both read it).
+DEVICES_VAR = "CUDA_VISIBLE_DEVICES"
+
+
 class StandbyMismatch(RuntimeError):
-    """The standby runs on another node than the bundle the executor gives its rank."""
+    """The standby cannot stand for the worker the executor would create: it runs on another
+    node than the rank's bundle, was adopted already, or initialised CUDA."""
+
+
+def cuda_initialized() -> bool:
+    """Whether torch initialised CUDA in this process (torch not imported: it did not)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.cuda.is_initialized()
 
 
 class StandbyRayWorkerProc(SupervisedRayWorkerProc):
-    """A worker actor with vLLM imported and no engine yet."""
+    """A worker actor with vLLM imported, no device visible and no engine yet."""
 
-    def __init__(self, preload: list[str]):  # noqa: D107 (deferred)
+    def __init__(self, preload: list[str], created_with: dict):  # noqa: D107 (deferred)
         started = time.monotonic()
+        self._devices = os.environ.get(DEVICES_VAR)  # None: unset; ``adopt`` restores exactly this
+        os.environ[DEVICES_VAR] = ""
         for module in preload:
             importlib.import_module(module)
+        self._cuda = cuda_initialized()
+        if self._cuda:
+            logger.error("standby worker (pid %d) initialised CUDA while importing %s: it holds a "
+                         "context on a GPU and will not be adopted", os.getpid(), preload)
+        self._created_with = created_with  # the actor options it was created with (worker_options)
         self._node_id = ray.get_runtime_context().get_node_id()
         self._claimed_ids: list[str] | None = None
         self._adopted = False
         self._preload_s = time.monotonic() - started
 
     def standby_info(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "preload_s": self._preload_s, "adopted": self._adopted}
+        return {"pid": os.getpid(), "preload_s": self._preload_s, "adopted": self._adopted,
+                "cuda_initialized": self._cuda or cuda_initialized(), "created_with": self._created_with}
 
     def adopt(self, node_id: str, claimed_ids: list[str] | None, **init_kwargs: Any) -> int:
         """Become the worker vLLM's executor would have created with ``init_kwargs`` on the
-        node ``node_id`` (its bundle's)."""
+        node ``node_id`` (its bundle's), with the devices visible as before the preload."""
         if self._adopted:
             raise StandbyMismatch("this standby was adopted already")
         if node_id != self._node_id:
             raise StandbyMismatch(f"standby runs on node {self._node_id[:12]}, its rank's bundle is on {node_id[:12]}")
+        if self._cuda or cuda_initialized():
+            logger.error("standby worker (pid %d) initialised CUDA before adoption: refusing it", os.getpid())
+            raise StandbyMismatch("the standby initialised CUDA before adoption")
         self._adopted = True
         self._claimed_ids = claimed_ids
+        if self._devices is None:
+            os.environ.pop(DEVICES_VAR, None)
+        else:
+            os.environ[DEVICES_VAR] = self._devices
         SupervisedRayWorkerProc.__init__(self, **init_kwargs)
         return os.getpid()
 
@@ -108,21 +147,30 @@ def preload_modules(vllm_config: Any) -> list[str]:
     return modules
 
 
-def runtime_env_for(vllm_config: Any) -> dict:
-    """The runtime env vLLM's executor gives its worker actors (env vars set at process
-    creation must match, so the standby is created with the same)."""
+def worker_options(vllm_config: Any) -> dict:
+    """The actor options vLLM's executor (``RayExecutorV2._init_executor``, step 4) gives its
+    workers for ``vllm_config``, but for those a standby sets otherwise
+    (``executor.adoption.OWN_OPTIONS``). vLLM reads variables of the process it runs in
+    (``VLLM_USE_BREAKABLE_CUDAGRAPH``, which its config sets): call it in the process whose
+    environment the engine core gets, the daemon, not the Ray agent."""
     from executor.ray_v2 import SupervisedRayExecutor
 
     executor = object.__new__(SupervisedRayExecutor)
     executor.vllm_config = vllm_config
     executor.parallel_config = vllm_config.parallel_config
-    return executor._build_runtime_env()
+    options: dict[str, Any] = {"runtime_env": executor._build_runtime_env()}
+    wt_cfg = getattr(vllm_config, "weight_transfer_config", None)
+    if wt_cfg is not None and wt_cfg.backend == "sharded_rdt":
+        options["enable_tensor_transport"] = True
+    return options
 
 
-def create_standby_workers(vllm_config: Any, placement_group: Any, instance_id: str, namespace: str) -> list[dict]:
+def create_standby_workers(vllm_config: Any, placement_group: Any, instance_id: str, namespace: str,
+                           options: dict) -> list[dict]:
     """Create one standby per rank of the engine ``vllm_config`` describes, on the node of the
-    bundle the executor gives that rank in ``placement_group``. Returns ``{"rank", "name",
-    "actor_id", "bundle", "node_id"}`` per rank; does not wait for them to finish importing."""
+    bundle the executor gives that rank in ``placement_group``, with ``options`` (the daemon's
+    ``worker_options``). Returns ``{"rank", "name", "actor_id", "bundle", "node_id"}`` per
+    rank; does not wait for them to finish importing."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
     from vllm.v1.executor.ray_utils import build_actor_name, get_bundles_sorted_by_node
 
@@ -130,15 +178,14 @@ def create_standby_workers(vllm_config: Any, placement_group: Any, instance_id: 
     pc = vllm_config.parallel_config
     tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
     pcp = getattr(pc, "prefill_context_parallel_size", 1)
-    runtime_env = runtime_env_for(vllm_config)
     preload = preload_modules(vllm_config)
     out = []
     for rank, (bundle, node_id, _ip) in enumerate(get_bundles_sorted_by_node(placement_group)[: pc.world_size]):
         name = build_actor_name(instance_id, rank, tp, pp, pcp)
         actor = ray.remote(StandbyRayWorkerProc).options(
-            name=name, namespace=namespace, num_cpus=0, num_gpus=0, runtime_env=runtime_env,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
-        ).remote(preload)
+            name=name, namespace=namespace, num_cpus=0, num_gpus=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False), **options,
+        ).remote(preload, options)
         out.append({"rank": rank, "name": name, "actor_id": actor._actor_id.hex(), "bundle": bundle,
                     "node_id": node_id, "handle": actor})
     return out

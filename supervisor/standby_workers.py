@@ -44,13 +44,18 @@ class StandbyWorkers:
         forkserver.stop()
 
     def create(self, number: int, vllm_config: Any, replica: int = 0) -> list[dict[str, Any]]:
-        """Generation ``number``'s workers, on the nodes of ``replica``'s placement group. Only
+        """Generation ``number``'s workers, on the nodes of ``replica``'s placement group, with the
+        actor options vLLM's executor will give its own (computed here, in the daemon). Only
         while that group is placed: re-creating a lost one is the recovery's job (two threads
         doing it would leak one)."""
+        from executor.standby import worker_options
+
         pg = self.ray.placement_group(replica, ready=True)
         if pg is None:
             raise RuntimeError("the placement group is not ready; the next recovery re-creates it")
-        return self.ray.call("create_standby", vllm_config, pg, self.instance_id(number), self.namespace)
+        # Here, not in the agent: the next engine core starts with this process's environment.
+        options = worker_options(vllm_config)
+        return self.ray.call("create_standby", vllm_config, pg, self.instance_id(number), self.namespace, options)
 
     def states(self, workers: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return self.ray.call("standby_states", [w["actor_id"] for w in workers])

@@ -1,0 +1,312 @@
+"""A standby worker (``executor.standby``) is the worker vLLM's executor would create: it
+touches no device before adoption (its preload sees none; one that initialised CUDA is
+refused), and it is created with the actor options vLLM gives its own workers, which the
+executor checks at adoption (``executor.adoption.option_mismatch``).
+
+vLLM's side is vLLM's own code: ``RayExecutorV2._init_executor`` runs up to the creation of
+the first worker actor, with Ray faked, and the options it creates that actor with are the
+ones ``SupervisedRayExecutor._adopt_standby`` receives. A real vLLM config of the demo model
+(CPU; about 15 s with the imports).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+from unittest import mock
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TP = 2
+
+
+@pytest.fixture(scope="module")
+def vllm_config(tmp_path_factory):
+    """The demo model's config, as the daemon builds it (TP=2, our Ray executor). vLLM's
+    config writes variables into the process; they are put back afterwards."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from executor.ray_v2 import SupervisedRayExecutor
+    from supervisor.demo_model import build_demo_model
+
+    model = build_demo_model(tmp_path_factory.mktemp("data"))
+    saved = dict(os.environ)
+    try:
+        return AsyncEngineArgs(model=str(model), distributed_executor_backend=SupervisedRayExecutor,
+                               tensor_parallel_size=TP, max_model_len=256).create_engine_config()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@pytest.fixture
+def standby_module(monkeypatch):
+    """``executor.standby`` with Ray's runtime context faked (node ``node-a``), and the
+    device variable put back after the test (a standby hides it in this process)."""
+    from executor import standby
+
+    monkeypatch.setattr(standby.ray, "get_runtime_context", lambda: SimpleNamespace(get_node_id=lambda: "node-a"))
+    monkeypatch.delenv(standby.DEVICES_VAR, raising=False)
+    return standby
+
+
+def vllm_worker_options(vllm_config) -> dict:
+    """The options vLLM's ``_init_executor`` creates rank 0's worker actor with, as our
+    executor's ``_adopt_standby`` receives them (through ``AdoptingRay``)."""
+    import vllm.v1.executor.ray_executor_v2 as v2
+
+    from executor.adoption import AdoptingRay
+    from executor.ray_v2 import SupervisedRayExecutor
+
+    class Created(Exception):
+        pass
+
+    captured: dict = {}
+
+    def adopt(options: dict, init_kwargs: dict):
+        captured.update(options)
+        raise Created
+
+    fake_ray = SimpleNamespace(
+        remote=lambda cls: SimpleNamespace(options=lambda **options: None),
+        get_runtime_context=lambda: SimpleNamespace(get_node_id=lambda: "node-a"),
+        util=SimpleNamespace(get_node_ip_address=lambda: "127.0.0.1"),
+    )
+    world = vllm_config.parallel_config.world_size
+    executor = object.__new__(SupervisedRayExecutor)
+    executor.vllm_config, executor.parallel_config = vllm_config, vllm_config.parallel_config
+    with mock.patch.object(v2, "ray", AdoptingRay(fake_ray, adopt)), \
+            mock.patch.object(v2, "initialize_ray_cluster", lambda *a, **k: None), \
+            mock.patch.object(v2, "get_bundles_sorted_by_node",
+                              lambda pg: [(i, "node-a", "127.0.0.1") for i in range(world)]), \
+            mock.patch.object(v2, "MessageQueue", mock.MagicMock()):
+        with pytest.raises(Created):
+            v2.RayExecutorV2._init_executor(executor)
+    executor._finalizer.detach()
+    return captured
+
+
+# --- Finding 3: no device before adoption -------------------------------------------------
+
+
+def test_preload_sees_no_device_and_leaves_cuda_uninitialised(vllm_config, tmp_path):
+    """The real preload of the demo model's modules, in a process of its own (as in a standby
+    actor): every import runs with no device visible, and torch has not initialised CUDA."""
+    from executor.standby import preload_modules
+
+    (tmp_path / "standby_probe.py").write_text("import os\nSEEN = os.environ.get('CUDA_VISIBLE_DEVICES')\n")
+    modules = preload_modules(vllm_config) + ["standby_probe"]
+    script = textwrap.dedent("""
+        import json, os, sys
+        from types import SimpleNamespace
+        from executor import standby
+        standby.ray.get_runtime_context = lambda: SimpleNamespace(get_node_id=lambda: "node-a")
+        worker = standby.StandbyRayWorkerProc(sys.argv[1:], {})
+        import standby_probe, torch
+        print(json.dumps({"cuda_initialized": torch.cuda.is_initialized(),
+                          "info": worker.standby_info()["cuda_initialized"],
+                          "seen_while_importing": standby_probe.SEEN,
+                          "after_preload": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                          "imported": [m for m in sys.argv[1:] if m in sys.modules]}))
+    """)
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="0,1", PYTHONPATH=f"{ROOT}{os.pathsep}{tmp_path}")
+    out = subprocess.run([sys.executable, "-c", script, *modules], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "vllm.model_executor.models.llama" in modules
+    assert result == {"cuda_initialized": False, "info": False, "seen_while_importing": "",
+                      "after_preload": "", "imported": modules}
+
+
+def test_standby_that_initialised_cuda_refuses_adoption(standby_module, monkeypatch):
+    initialised = []
+    monkeypatch.setattr(standby_module, "cuda_initialized", lambda: True)
+    monkeypatch.setattr(standby_module.SupervisedRayWorkerProc, "__init__", lambda self, **kw: initialised.append(kw))
+    worker = standby_module.StandbyRayWorkerProc([], {})
+    assert worker.standby_info()["cuda_initialized"] is True
+    with pytest.raises(standby_module.StandbyMismatch, match="CUDA"):
+        worker.adopt("node-a", None, rank=0)
+    assert initialised == [] and worker.standby_info()["adopted"] is False
+
+
+def test_standby_that_initialises_cuda_after_its_preload_refuses_adoption(standby_module, monkeypatch):
+    initialised = []
+    monkeypatch.setattr(standby_module.SupervisedRayWorkerProc, "__init__", lambda self, **kw: initialised.append(kw))
+    worker = standby_module.StandbyRayWorkerProc([], {})
+    assert worker.standby_info()["cuda_initialized"] is False
+    monkeypatch.setattr(standby_module, "cuda_initialized", lambda: True)
+    assert worker.standby_info()["cuda_initialized"] is True
+    with pytest.raises(standby_module.StandbyMismatch, match="CUDA"):
+        worker.adopt("node-a", None, rank=0)
+    assert initialised == []
+
+
+@pytest.mark.parametrize("before", [None, "", "3,5"])
+def test_adopt_restores_the_devices_exactly_before_vllms_init(standby_module, monkeypatch, before):
+    if before is not None:
+        monkeypatch.setenv(standby_module.DEVICES_VAR, before)
+    seen = []
+
+    def vllm_init(self, **kwargs):
+        seen.append((dict(kwargs), standby_module.DEVICES_VAR in os.environ, os.environ.get(standby_module.DEVICES_VAR)))
+
+    monkeypatch.setattr(standby_module.SupervisedRayWorkerProc, "__init__", vllm_init)
+    worker = standby_module.StandbyRayWorkerProc([], {})
+    assert os.environ[standby_module.DEVICES_VAR] == ""  # hidden while it idles
+    assert worker.adopt("node-a", None, rank=1, is_driver_worker=False) == os.getpid()
+    assert seen == [({"rank": 1, "is_driver_worker": False}, before is not None, before)]
+    assert os.environ.get(standby_module.DEVICES_VAR) == before
+
+
+def test_cuda_initialized_is_false_without_torch(monkeypatch):
+    from executor.standby import cuda_initialized
+
+    monkeypatch.delitem(sys.modules, "torch")
+    assert cuda_initialized() is False
+
+
+# --- Finding 4: the same actor options as vLLM's workers -----------------------------------
+
+
+@pytest.mark.parametrize("weight_transfer", [None, "sharded_rdt"])
+def test_standby_options_are_vllms(vllm_config, monkeypatch, weight_transfer):
+    """What the daemon gives the standby equals what vLLM's executor creates its workers with,
+    but for the options a standby sets otherwise; a variable vLLM's config wrote into the
+    daemon (``VLLM_USE_BREAKABLE_CUDAGRAPH``, on CUDA) is in both."""
+    from executor.adoption import OWN_OPTIONS, creation_options, option_mismatch
+    from executor.standby import worker_options
+
+    if weight_transfer:
+        from vllm.config import WeightTransferConfig
+
+        monkeypatch.setattr(vllm_config, "weight_transfer_config", WeightTransferConfig(backend=weight_transfer))
+    monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "1")
+    ours = worker_options(vllm_config)
+    theirs = vllm_worker_options(vllm_config)
+    assert not set(ours) & OWN_OPTIONS
+    assert ours == creation_options(theirs)
+    assert option_mismatch(ours, theirs) == []
+    assert theirs["runtime_env"]["env_vars"]["VLLM_USE_BREAKABLE_CUDAGRAPH"] == "1"
+    assert theirs["runtime_env"]["env_vars"]["TORCH_COMPILE_DISABLE"] == "1"  # ours, on CPU
+    assert ("enable_tensor_transport" in theirs) == bool(weight_transfer)
+
+
+def test_agent_creates_standbys_with_the_daemons_options(vllm_config, monkeypatch):
+    """The agent's own environment does not enter: it creates the actors with the options the
+    daemon computed, and hands each standby the same to report at adoption."""
+    import vllm.v1.executor.ray_utils as ray_utils
+
+    from executor import standby
+
+    created = []
+
+    def remote(cls):
+        return SimpleNamespace(options=lambda **options: SimpleNamespace(
+            remote=lambda *args: created.append((options, args)) or SimpleNamespace(_actor_id=bytes([len(created)]))))
+
+    monkeypatch.setattr(standby.ray, "remote", remote)
+    monkeypatch.setattr(ray_utils, "get_bundles_sorted_by_node", lambda pg: [(i, f"{i:056x}", "ip") for i in range(TP)])
+    monkeypatch.delenv("VLLM_USE_BREAKABLE_CUDAGRAPH", raising=False)
+    options = {"runtime_env": {"env_vars": {"TORCH_COMPILE_DISABLE": "1", "VLLM_USE_BREAKABLE_CUDAGRAPH": "1"}},
+               "enable_tensor_transport": True}
+    workers = standby.create_standby_workers(vllm_config, object(), "inst-g2", "ns", options)
+    assert [w["rank"] for w in workers] == list(range(TP))
+    for (actor_options, args), w in zip(created, workers):
+        assert {k: actor_options[k] for k in options} == options
+        assert actor_options["name"] == w["name"] and actor_options["namespace"] == "ns"
+        assert actor_options["num_cpus"] == 0 and actor_options["num_gpus"] == 0
+        assert args == (standby.preload_modules(vllm_config), options)
+
+
+def test_option_mismatch_names_the_differing_settings():
+    from executor.adoption import option_mismatch
+
+    env = {"TORCH_COMPILE_DISABLE": "1", "VLLM_USE_BREAKABLE_CUDAGRAPH": "1"}
+    vllm = {"name": "vllm_Worker_x_TP0", "num_cpus": 0, "num_gpus": 1, "scheduling_strategy": object(),
+            "runtime_env": {"env_vars": dict(env), "nsight": {"t": "cuda"}}, "enable_tensor_transport": True}
+    standby = {"runtime_env": {"env_vars": dict(env), "nsight": {"t": "cuda"}}, "enable_tensor_transport": True}
+    assert option_mismatch(standby, vllm) == []  # name, resources and scheduling may differ
+    assert option_mismatch({**standby, "namespace": "ns", "num_gpus": 0}, vllm) == []
+    assert option_mismatch({**standby, "runtime_env": {"env_vars": {"TORCH_COMPILE_DISABLE": "1"},
+                                                       "nsight": {"t": "cuda"}}}, vllm) == [
+        "runtime_env.env_vars.VLLM_USE_BREAKABLE_CUDAGRAPH"]
+    assert option_mismatch({**standby, "runtime_env": {"env_vars": {**env, "TORCH_COMPILE_DISABLE": "0"}}}, vllm) == [
+        "runtime_env.env_vars.TORCH_COMPILE_DISABLE", "runtime_env.nsight"]
+    assert option_mismatch({"runtime_env": standby["runtime_env"]}, vllm) == ["enable_tensor_transport"]
+
+
+class FakeStandby:
+    """A standby actor handle as ``_adopt_standby`` uses it (with Ray's ``get`` the identity)."""
+
+    def __init__(self, created_with: dict, cuda: bool = False):
+        self.adopted: list = []
+        self.standby_info = SimpleNamespace(remote=lambda: {"pid": 4242, "cuda_initialized": cuda,
+                                                            "created_with": created_with})
+        self.adopt = SimpleNamespace(remote=lambda node, ids, **kw: self.adopted.append((node, ids, kw)) or 4242)
+
+
+@pytest.fixture
+def adopting_executor(monkeypatch, caplog):
+    """``SupervisedRayExecutor`` as far as ``_adopt_standby`` needs it, Ray faked: yields the
+    executor, a function installing the standby ``get_actor`` finds, and the handles killed.
+    Its log goes to ``caplog`` (vLLM's logger tree does not propagate to the root)."""
+    import executor.adoption as adoption
+    import executor.cluster as cluster
+    import executor.ray_v2 as ray_v2
+
+    found: dict = {}
+    killed: list = []
+    monkeypatch.setattr(ray_v2, "ray", SimpleNamespace(get_actor=lambda name, namespace: found["standby"],
+                                                       get=lambda ref: ref))
+    monkeypatch.setattr(adoption, "bundle_node", lambda pg, index: "node-a")
+    monkeypatch.setattr(cluster, "kill_handles", lambda handles: killed.extend(handles))
+    executor = object.__new__(ray_v2.SupervisedRayExecutor)
+    executor._standby_namespace, executor.adopted, executor._claims = "ns", {}, []
+    ray_v2.logger.addHandler(caplog.handler)
+    yield executor, lambda standby: found.update(standby=standby), killed
+    ray_v2.logger.removeHandler(caplog.handler)
+
+
+def test_adoption_guard_accepts_a_standby_created_as_vllms_worker(vllm_config, adopting_executor):
+    from executor.standby import worker_options
+
+    executor, install, killed = adopting_executor
+    vllm = vllm_worker_options(vllm_config)
+    standby = FakeStandby(worker_options(vllm_config))
+    install(standby)
+    assert executor._adopt_standby(vllm, {"rank": 0}) is standby
+    assert standby.adopted == [("node-a", None, {"rank": 0})] and killed == [] and executor.adopted == {0: 4242}
+
+
+def test_adoption_guard_refuses_a_standby_created_otherwise(vllm_config, adopting_executor, monkeypatch, caplog):
+    """A variable vLLM's config wrote into the daemon after the standby was created (as on a
+    CUDA host before the fix, when the agent computed the runtime env): not adopted, killed,
+    and the log names the variable."""
+    from executor.standby import worker_options
+
+    executor, install, killed = adopting_executor
+    monkeypatch.delenv("VLLM_USE_BREAKABLE_CUDAGRAPH", raising=False)
+    standby = FakeStandby(worker_options(vllm_config))
+    monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "1")
+    install(standby)
+    assert executor._adopt_standby(vllm_worker_options(vllm_config), {"rank": 0}) is None
+    assert standby.adopted == [] and killed == [standby] and executor.adopted == {}
+    assert "runtime_env.env_vars.VLLM_USE_BREAKABLE_CUDAGRAPH" in caplog.text
+
+
+def test_adoption_guard_refuses_a_standby_that_initialised_cuda(vllm_config, adopting_executor, caplog):
+    from executor.standby import worker_options
+
+    executor, install, killed = adopting_executor
+    standby = FakeStandby(worker_options(vllm_config), cuda=True)
+    install(standby)
+    assert executor._adopt_standby(vllm_worker_options(vllm_config), {"rank": 0}) is None
+    assert standby.adopted == [] and killed == [standby]
+    assert "CUDA" in caplog.text
