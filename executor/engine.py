@@ -155,3 +155,17 @@ def new_detokenizer(tokenizer: Any, prompt_token_ids: list[int], params: Any, re
     request = SimpleNamespace(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
                               prompt_embeds=None, sampling_params=params)
     return IncrementalDetokenizer.from_new_request(tokenizer, request)
+
+
+def logprob_token_strings(tokenizer: Any, token_ids: list[int], context_ids: list[int]) -> list[str]:
+    """The token strings vLLM's output processor gives one position's logprobs (the sampled
+    token and its alternatives, ``token_ids``) after the sampled tokens ``context_ids``: each
+    id on its own, a byte-fallback piece completed with up to four preceding sampled tokens
+    (``LogprobsProcessor._update_sample_logprobs``, the same functions)."""
+    from vllm.tokenizers.detokenizer_utils import convert_ids_list_to_tokens
+    from vllm.v1.engine.logprobs import LogprobsProcessor
+
+    processor = LogprobsProcessor(tokenizer=tokenizer, logprobs=None, prompt_logprobs=None, cumulative_logprob=None,
+                                  num_logprobs=None, num_prompt_logprobs=None)
+    return processor._verify_tokens(decoded_tokens_list=convert_ids_list_to_tokens(tokenizer, list(token_ids)),
+                                    tokens=list(token_ids), context_token_ids=list(context_ids))

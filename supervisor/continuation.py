@@ -5,6 +5,7 @@ the same sampling parameters, and the text across the seam. Pure logic over vLLM
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from typing import Any
 
 
@@ -32,8 +33,8 @@ def why_not_continuable(params: Any) -> str | None:
         return "presence/frequency penalties count only generated tokens"
     if getattr(params, "seed", None) is not None and (params.temperature or 0) > 0:
         return "seeded sampling cannot resume its random stream"
-    if getattr(params, "logprobs", None) is not None:
-        return "per-token logprobs are not continued (the new engine does not detokenize)"
+    if getattr(params, "logprobs", None) is not None and getattr(params, "flat_logprobs", False):
+        return "flat logprobs are not continued"
     if getattr(params, "bad_words", None):
         return "bad_words are matched against generated tokens only (one could straddle the resume point)"
     return None
@@ -97,3 +98,31 @@ class SeamText:
         full = d.get_next_output_text(finish_reason is not None, False)
         text, self._emitted = full[self._emitted:], len(full)
         return text, ids, finish_reason, stop_reason
+
+
+class SeamLogprobs:
+    """The sampled tokens' logprobs after a seam, as the original engine would have given
+    them. The new engine computes the values (its prefix is the prompt + the delivered
+    tokens) but does not detokenize: the token strings are made here, by vLLM's own
+    functions (``token_strings(tokenizer, ids, context)``), with the delivered tokens as
+    the context a byte-fallback piece is completed with; the cumulative logprob carries on."""
+
+    def __init__(self, token_strings: Any, tokenizer: Any, delivered_ids: list[int], cumulative: float | None):
+        self._strings = token_strings
+        self._tokenizer = tokenizer
+        self._context = list(delivered_ids)
+        self._cumulative = cumulative or 0.0
+
+    def step(self, logprobs: list[dict[int, Any]] | None, ids: list[int],
+             cumulative: float | None) -> tuple[list[dict[int, Any]] | None, float | None]:
+        """One engine output's ``logprobs`` (a dict per new token, the sampled one first) for
+        the token ids the client reads (``ids``) -> the same with their token strings, and
+        the cumulative logprob since the original request began."""
+        if logprobs is None:
+            return None, None
+        out = []
+        for position, sampled in zip(logprobs, ids):
+            strings = self._strings(self._tokenizer, list(position), self._context)
+            out.append({t: replace(lp, decoded_token=s) for (t, lp), s in zip(position.items(), strings)})
+            self._context.append(sampled)
+        return out, self._cumulative + (cumulative or 0.0)

@@ -11,17 +11,14 @@ fault-free run. A request that sees its engine die says so (``Dispatcher.engine_
 from __future__ import annotations
 
 import asyncio
-import copy
 import time
 from typing import Any, AsyncGenerator, AsyncIterator, Callable, Iterable
 
-from vllm.sampling_params import RequestOutputKind
-
 from supervisor import logs, testhooks
+from executor.engine import logprob_token_strings
 from supervisor.admission import Admission
-from supervisor.continuation import (
-    NotContinuable, SeamText, continuation_input, continuation_params, why_not_continuable,
-)
+from supervisor.carryover import Carryover
+from supervisor.continuation import NotContinuable
 from supervisor.dispatch import Dispatcher
 from supervisor.generation import Generation, Interrupted, RequestFailed, is_engine_death
 from supervisor.states import State
@@ -52,29 +49,13 @@ class Streams:
     async def run(self, prompt: Any, sampling_params: Any, request_id: str,
                   kwargs: dict[str, Any]) -> AsyncGenerator[Any, None]:
         """Stream ``RequestOutput``s; across a recovery the stream continues on the next
-        engine with prompt + delivered tokens.
-
-        After a seam the text and the stop strings come from a ``SeamText`` that has seen
-        the original prompt and every delivered token; the new engine supplies token ids.
-        The front's non-streaming mode (``FINAL_ONLY``) is run as a stream here and answered
-        with one output at the end, so it continues mid-way too; when it cannot be
-        continued it is run as asked and, interrupted, simply runs again (nothing was sent)."""
+        engine with prompt + delivered tokens (``Carryover``: what the client read, and the
+        text and logprobs' token strings after a seam as the first engine would make them)."""
         d = self.d
-        params = sampling_params
-        final_only = (params.output_kind == RequestOutputKind.FINAL_ONLY and params.n == 1
-                      and why_not_continuable(params) is None)
-        if final_only:
-            params = copy.copy(params)
-            params.output_kind = RequestOutputKind.DELTA
-        pristine = copy.deepcopy(params)
-        delta = params.output_kind == RequestOutputKind.DELTA
-        prompt_ids: list[int] | None = None
-        first_prompt_text: str | None = None
-        delivered: list[int] = []
-        delivered_text: list[str] = []
-        yielded = seen_output = False
-        first_prompt_logprobs: Any = None
-        seam: SeamText | None = None
+        req = Carryover(prompt, sampling_params, kwargs, request_id, self._detokenizer, self._tokenizer,
+                        logprob_token_strings)
+        params = req.params
+        seen_output = False
         hold_after = testhooks.hold_midchar_after(params) if self.test_hooks else None
         attempt = 0
         dead: Generation | None = None  # the generation this request last saw fail
@@ -88,20 +69,10 @@ class Streams:
         self.idle.clear()
         try:
             while True:
-                route_ids = prompt_ids or (prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None)
+                route_ids = req.prompt_ids or (prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None)
                 gen = await self.admission.admit(parked=attempt > 0, not_gen=dead, token_ids=route_ids)
                 try:
-                    if not yielded and not delivered:
-                        sub, engine_prompt, kw = copy.deepcopy(pristine), prompt, kwargs
-                    else:
-                        if not delta or params.n != 1:  # a FINAL_ONLY output is only yielded at the end
-                            raise NotContinuable("n > 1" if params.n != 1 else f"output kind {params.output_kind.name}")
-                        sub = continuation_params(pristine, len(delivered))
-                        engine_prompt = continuation_input(prompt, prompt_ids or [], delivered)
-                        kw = {k: v for k, v in kwargs.items() if k not in ("prompt_text", "tokenization_kwargs")}
-                        if seam is None:
-                            seam = SeamText(self._detokenizer(prompt_ids or [], pristine, request_id),
-                                            delivered, "".join(delivered_text))
+                    sub, engine_prompt, kw = req.next_request()
                 except NotContinuable as exc:
                     d.count_outcome("failed")
                     raise RequestFailed(f"request interrupted by an engine failure and cannot be continued exactly ({exc}); retry it") from None
@@ -109,16 +80,8 @@ class Streams:
                 stream = self.pump(gen, engine_prompt, sub, rid, kw, client_id=request_id)
                 try:
                     async for out in stream:
-                        c = out.outputs[0]
-                        if prompt_ids is None:
-                            prompt_ids, first_prompt_text = list(out.prompt_token_ids or []), getattr(out, "prompt", None)
-                            first_prompt_logprobs = getattr(out, "prompt_logprobs", None)
-                        if seam is not None:
-                            c.text, c.token_ids, c.finish_reason, c.stop_reason = seam.step(
-                                c.token_ids, c.finish_reason, c.stop_reason)
-                            out.prompt_token_ids, out.prompt, out.prompt_logprobs = prompt_ids, first_prompt_text, None
-                            out.finished = c.finish_reason is not None
-                        ids = c.token_ids
+                        out = req.take(out)
+                        ids = out.outputs[0].token_ids
                         now = time.monotonic()
                         if not seen_output:
                             seen_output = True
@@ -126,23 +89,19 @@ class Streams:
                         elif ids:
                             m.itl.observe((now - last) / len(ids))
                         last = now
-                        if delta:
-                            delivered += ids
-                            delivered_text.append(c.text)
-                        if final_only and out.finished:  # one output at the end, as the front asked
-                            c.text, c.token_ids = "".join(delivered_text), list(delivered)
-                            out.prompt_logprobs = first_prompt_logprobs
-                        if out.finished or not final_only:
-                            yielded = True
+                        if req.final_only and out.finished:  # one output at the end, as the front asked
+                            out = req.final(out)
+                        if out.finished or not req.final_only:
+                            req.yielded = True
                             yield out
                         if out.finished:
                             break  # a stop string found across the seam ends the request here
                         if hold_after is not None and attempt == 0:
-                            await self._maybe_hold(gen, delivered, hold_after)
+                            await self._maybe_hold(gen, req.ids, hold_after)
                     m.e2e.observe(time.monotonic() - arrived)
                     d.count_outcome("continued" if attempt else "ok")
                     log.info("request done", request_id=request_id, attempts=attempt + 1,
-                             delivered_tokens=len(delivered) if delta else None)
+                             delivered_tokens=len(req.ids) if req.delta else None)
                     return
                 except Interrupted:
                     pass
@@ -157,7 +116,7 @@ class Streams:
                 if attempt > d.cfg.continuation_limit:
                     d.count_outcome("failed")
                     raise RequestFailed(f"request interrupted {attempt} times by engine failures (limit {d.cfg.continuation_limit}); retry it")
-                log.info("request parked", request_id=request_id, delivered_tokens=len(delivered), attempt=attempt)
+                log.info("request parked", request_id=request_id, delivered_tokens=len(req.ids), attempt=attempt)
         finally:
             self.in_flight -= 1
             if self.in_flight == 0:

@@ -164,10 +164,12 @@ FEATURES = [
                               "ignore_eos": True, **LONG}, "exact"),
     ("/v1/responses", {"input": "Tell me a story", "temperature": 0, "max_output_tokens": 240, "stream": True}, "exact"),
     ("/v1/responses", {"input": "Tell me a story", "temperature": 0, "max_output_tokens": 240}, "exact"),
-    ("/v1/completions", {"prompt": "The quick", "logprobs": 1, "ignore_eos": True, **LONG}, "exact"),  # not streamed: runs again
+    ("/v1/completions", {"prompt": "The quick", "logprobs": 1, "ignore_eos": True, **LONG}, "exact"),  # not streamed: continued
     ("/v1/completions", {"prompt": "The quick", "n": 2, "seed": 5, "temperature": 0.8, "max_tokens": 240,
                          "ignore_eos": True}, "exact"),  # not streamed: runs again
-    ("/v1/completions", {"prompt": "The quick", "logprobs": 1, "stream": True, "ignore_eos": True, **LONG}, "error"),
+    ("/v1/completions", {"prompt": "The quick", "logprobs": 2, "stream": True, "ignore_eos": True, **LONG}, "exact"),
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 2, "stream": True,
+                              "ignore_eos": True, **LONG}, "exact"),
     ("/v1/completions", {"prompt": "The quick", "n": 2, "seed": 5, "temperature": 0.8, "max_tokens": 240,
                          "stream": True, "ignore_eos": True}, "error"),
 ]
@@ -176,7 +178,7 @@ FEATURES = [
 async def read_answer(client, path: str, body: dict) -> dict:
     """What a client reads: per choice (or the Responses output) the joined text, tool-call
     arguments, finish reasons, logprob tokens and usage; or the error it got."""
-    out: dict = {"text": {}, "tools": {}, "finish": {}, "logprob_tokens": {}, "usage": None, "error": None}
+    out: dict = {"text": {}, "tools": {}, "finish": {}, "logprob_tokens": {}, "logprobs": {}, "usage": None, "error": None}
 
     def take(event: dict) -> None:
         if "error" in event and "choices" not in event:
@@ -189,8 +191,15 @@ async def read_answer(client, path: str, body: dict) -> dict:
                 out["tools"][i] = out["tools"].get(i, "") + (t.get("function") or {}).get("arguments", "")
             if c.get("finish_reason"):
                 out["finish"][i] = c["finish_reason"]
-            if (c.get("logprobs") or {}).get("tokens"):
-                out["logprob_tokens"][i] = out["logprob_tokens"].get(i, []) + c["logprobs"]["tokens"]
+            lp = c.get("logprobs") or {}
+            if lp.get("tokens"):  # completions: tokens, their logprobs, the top alternatives
+                out["logprob_tokens"][i] = out["logprob_tokens"].get(i, []) + lp["tokens"]
+                out["logprobs"][i] = out["logprobs"].get(i, []) + [
+                    (t, v, sorted((top or {}).items())) for t, v, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"])]
+            for e in lp.get("content") or []:  # chat: the same per token
+                out["logprob_tokens"][i] = out["logprob_tokens"].get(i, []) + [e["token"]]
+                out["logprobs"][i] = out["logprobs"].get(i, []) + [
+                    (e["token"], e["logprob"], sorted((a["token"], a["logprob"]) for a in e.get("top_logprobs") or []))]
         if event.get("usage"):
             out["usage"] = event["usage"]
         kind = event.get("type", "")
@@ -217,11 +226,25 @@ async def read_answer(client, path: str, body: dict) -> dict:
     return out
 
 
+def assert_logprobs_close(got: dict, ref: dict, where) -> None:
+    """The same tokens and top alternatives, each logprob within 1e-3: the new engine computes
+    the continued tokens' logprobs over the prompt + delivered tokens in one prefill, the
+    fault-free run one decode step at a time."""
+    assert got.keys() == ref.keys(), where
+    for i in ref:
+        assert len(got[i]) == len(ref[i]), (where, i)
+        for pos, ((t, v, top), (rt, rv, rtop)) in enumerate(zip(got[i], ref[i])):
+            assert t == rt and abs(v - rv) <= 1e-3, (where, i, pos, (t, v), (rt, rv))
+            assert [a for a, _ in top] == [a for a, _ in rtop], (where, i, pos, top, rtop)
+            assert all(abs(a - b) <= 1e-3 for (_, a), (_, b) in zip(top, rtop)), (where, i, pos, top, rtop)
+
+
 def test_vllm_front_features_across_a_kill(daemon, ray_head):
     """What vLLM's front accepts, through a ``ray.kill`` with every request held mid-character
     (the test hook): echo, tool calls (``--tool-call-parser hermes``), the Responses API
-    (streamed and not) and, not streamed, logprobs and ``n = 2`` read exactly what a
-    fault-free run reads; streamed logprobs and streamed ``n = 2`` end with a retriable error."""
+    (streamed and not), logprobs and top logprobs (completions and chat, streamed and not: tokens
+    exact, values within 1e-3) and, not streamed, ``n = 2`` read exactly what a fault-free run
+    reads; streamed ``n = 2`` ends with a retriable error."""
     import httpx
 
     async def run_all(hold: bool, fault=None) -> list[dict]:
@@ -231,7 +254,7 @@ def test_vllm_front_features_across_a_kill(daemon, ray_head):
                 deadline = time.monotonic() + 120
                 while True:
                     s = await asyncio.to_thread(daemon.status)
-                    if s["test_held"] == len(FEATURES) - 2:  # the two not-streamed runs-again ones are never held
+                    if s["test_held"] == len(FEATURES) - 1:  # the not-streamed n = 2 runs again: never held
                         break
                     assert time.monotonic() < deadline and not all(t.done() for t in tasks), s
                     await asyncio.sleep(0.05)
@@ -250,6 +273,7 @@ def test_vllm_front_features_across_a_kill(daemon, ray_head):
             assert r["error"] is None and r["status"] == 200, (where, r)
             assert {k: r[k] for k in ("text", "tools", "finish", "logprob_tokens", "usage")} == \
                    {k: ref[k] for k in ("text", "tools", "finish", "logprob_tokens", "usage")}, where
+            assert_logprobs_close(r["logprobs"], ref["logprobs"], where)
         else:
             assert r["error"] and "cannot be continued exactly" in json.dumps(r["error"]), (where, r)
             assert r["status"] == 200 and any(r["text"].values())  # what was delivered stays delivered

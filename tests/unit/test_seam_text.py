@@ -185,3 +185,46 @@ def test_a_delivered_text_that_does_not_replay_is_refused(tokenizer):
     ids = tokenizer.encode(" fox", add_special_tokens=False)
     with pytest.raises(NotContinuable, match="does not replay"):
         SeamText(new_detokenizer(tokenizer, prompt, params, "r"), ids, "something else")
+
+
+def reference_logprobs(tok, positions, detokenize=True):
+    """vLLM's own ``LogprobsProcessor`` fed ``positions`` ([sampled, alt1, alt2], values, rank)
+    one step at a time, as the engine's output processor is (no tokenizer: ``detokenize=False``)."""
+    import numpy as np
+    from vllm.v1.engine.logprobs import LogprobsProcessor
+
+    p = LogprobsProcessor(tokenizer=tok if detokenize else None, logprobs=[], prompt_logprobs=None,
+                          cumulative_logprob=0.0, num_logprobs=2, num_prompt_logprobs=None)
+    for ids, values, rank in positions:
+        p._update_sample_logprobs(([np.array(ids)], [np.array(values)], [np.array(rank)], None))
+    return p.logprobs, p.cumulative_logprob
+
+
+def test_logprobs_across_every_seam_are_the_fault_free_ones(tokenizer):
+    """For every seam position of a byte-level sequence: the new engine's logprobs (values, no
+    token strings) through ``SeamLogprobs`` equal a fault-free run's: the same token strings
+    (byte-fallback pieces completed with the delivered tokens as context), values, ranks, and
+    the cumulative logprob carried on."""
+    from executor.engine import logprob_token_strings
+    from supervisor.continuation import SeamLogprobs
+
+    rng = random.Random(11)
+    # real text whose multi-byte characters the byte-level tokenizer splits across tokens
+    sampled = tokenizer.encode("naïve café, 日本語の文 🙂 über straße", add_special_tokens=False)
+    positions = [([t, rng.randrange(3, tokenizer.vocab_size), rng.randrange(3, tokenizer.vocab_size)],
+                  [-rng.random(), -1.5, -2.5], rng.randrange(1, 4)) for t in sampled]
+    whole, whole_cumulative = reference_logprobs(tokenizer, positions)
+    assert any(any(lp.decoded_token == "" or "\ufffd" in tokenizer.decode([t]) for t, lp in p.items()) for p in whole)
+    corrected = 0
+    for k in range(1, len(sampled)):
+        before, cumulative_before = reference_logprobs(tokenizer, positions[:k])
+        new, running = reference_logprobs(tokenizer, positions[k:], detokenize=False)  # the new engine's
+        assert all(lp.decoded_token is None for p in new for lp in p.values())
+        seam = SeamLogprobs(logprob_token_strings, tokenizer, sampled[:k], cumulative_before)
+        got, cumulative = seam.step(new, sampled[k:], running)
+        assert before + got == whole, k
+        assert abs(cumulative - whole_cumulative) < 1e-9
+        # the naive way (each token decoded alone, as the front would without token strings) differs
+        naive = [tokenizer.decode([t]) for p in new for t in p]
+        corrected += naive != [lp.decoded_token for p in got for lp in p.values()]
+    assert corrected > 0  # the context mattered at some seams

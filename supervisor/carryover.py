@@ -1,0 +1,102 @@
+"""One request's state across engine seams: what reached the client, and what the next engine
+needs to continue it exactly (``supervisor.continuation`` holds the pure steps).
+
+``Streams.run`` drives it: ``next_request`` gives the engine request of each attempt (the
+request as sent, or its continuation after a seam), ``take`` turns an engine output into what
+the client reads and records it, ``final`` makes the one answer of a non-streamed request. A new
+kind of request that needs state across a seam adds a field here and a step in
+``continuation``, not another branch in the stream loop.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+from vllm.sampling_params import RequestOutputKind
+
+from supervisor.continuation import (
+    NotContinuable, SeamLogprobs, SeamText, continuation_input, continuation_params, why_not_continuable,
+)
+
+
+class Carryover:
+    def __init__(self, prompt: Any, params: Any, kwargs: dict[str, Any], request_id: str,
+                 detokenizer: Callable[[list[int], Any, str], Any], tokenizer: Callable[[], Any],
+                 token_strings: Callable[[Any, list[int], list[int]], list[str]]):
+        # The front's non-streaming mode (FINAL_ONLY) runs as a stream and is answered with one
+        # output at the end, so it continues mid-way too; one that cannot be continued runs as
+        # asked and, interrupted, simply runs again (nothing was sent).
+        self.final_only = (params.output_kind == RequestOutputKind.FINAL_ONLY and params.n == 1
+                           and why_not_continuable(params) is None)
+        if self.final_only:
+            params = copy.copy(params)
+            params.output_kind = RequestOutputKind.DELTA
+        self.params = params  # what the stream runs with (DELTA for a FINAL_ONLY request)
+        self.pristine = copy.deepcopy(params)  # an engine may mutate the one it is given
+        self.delta = params.output_kind == RequestOutputKind.DELTA
+        self.prompt, self.kwargs, self.request_id = prompt, kwargs, request_id
+        self._detokenizer, self._tokenizer, self._token_strings = detokenizer, tokenizer, token_strings
+        # what the client has read
+        self.prompt_ids: list[int] | None = None
+        self.prompt_text: str | None = None
+        self.prompt_logprobs: Any = None
+        self.ids: list[int] = []
+        self.text: list[str] = []
+        self.logprobs: list[dict[int, Any]] = []
+        self.cumulative_logprob: float | None = None
+        self.yielded = False
+        # after a seam: the text and the logprobs' token strings as the first engine would make them
+        self._text_seam: SeamText | None = None
+        self._logprobs_seam: SeamLogprobs | None = None
+
+    def next_request(self) -> tuple[Any, Any, dict[str, Any]]:
+        """(params, prompt, kwargs) for the next engine: the request as sent while nothing
+        reached the client, else its continuation. Raises ``NotContinuable``."""
+        if not self.yielded and not self.ids:
+            return copy.deepcopy(self.pristine), self.prompt, self.kwargs
+        if not self.delta or self.params.n != 1:  # a FINAL_ONLY output is only yielded at the end
+            raise NotContinuable("n > 1" if self.params.n != 1 else f"output kind {self.params.output_kind.name}")
+        sub = continuation_params(self.pristine, len(self.ids))
+        engine_prompt = continuation_input(self.prompt, self.prompt_ids or [], self.ids)
+        kw = {k: v for k, v in self.kwargs.items() if k not in ("prompt_text", "tokenization_kwargs")}
+        if self._text_seam is None:
+            self._text_seam = SeamText(self._detokenizer(self.prompt_ids or [], self.pristine, self.request_id),
+                                       self.ids, "".join(self.text))
+        if self.pristine.logprobs is not None:  # per engine: its cumulative logprob starts at 0
+            self._logprobs_seam = SeamLogprobs(self._token_strings, self._tokenizer(), self.ids, self.cumulative_logprob)
+        return sub, engine_prompt, kw
+
+    def take(self, out: Any) -> Any:
+        """An engine output -> what the client reads (the same object, rewritten after a seam);
+        records it. A stop string found across the seam finishes it."""
+        c = out.outputs[0]
+        if self.prompt_ids is None:
+            self.prompt_ids, self.prompt_text = list(out.prompt_token_ids or []), getattr(out, "prompt", None)
+            self.prompt_logprobs = getattr(out, "prompt_logprobs", None)
+        if self._text_seam is not None:
+            new = len(c.token_ids)
+            c.text, c.token_ids, c.finish_reason, c.stop_reason = self._text_seam.step(
+                c.token_ids, c.finish_reason, c.stop_reason)
+            if self._logprobs_seam is not None:
+                lps = c.logprobs[:new] if c.logprobs is not None else None
+                c.logprobs, c.cumulative_logprob = self._logprobs_seam.step(lps, c.token_ids, c.cumulative_logprob)
+            out.prompt_token_ids, out.prompt, out.prompt_logprobs = self.prompt_ids, self.prompt_text, None
+            out.finished = c.finish_reason is not None
+        if self.delta:
+            self.ids += c.token_ids
+            self.text.append(c.text)
+            if getattr(c, "logprobs", None):
+                self.logprobs += c.logprobs
+            if getattr(c, "cumulative_logprob", None) is not None:
+                self.cumulative_logprob = c.cumulative_logprob
+        return out
+
+    def final(self, out: Any) -> Any:
+        """The one output of a FINAL_ONLY request, from the last engine output."""
+        c = out.outputs[0]
+        c.text, c.token_ids = "".join(self.text), list(self.ids)
+        if self.pristine.logprobs is not None:
+            c.logprobs, c.cumulative_logprob = list(self.logprobs), self.cumulative_logprob
+        out.prompt_logprobs = self.prompt_logprobs
+        return out

@@ -1,0 +1,76 @@
+"""``Carryover``, one request's state across seams, over vLLM's own detokenizer, logprobs
+processor and demo tokenizer (no engine): a request with logprobs, streamed or not, cut at
+every token, reads what a fault-free run reads."""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+from vllm import SamplingParams
+from vllm.sampling_params import RequestOutputKind
+
+from executor.engine import logprob_token_strings, new_detokenizer
+from supervisor.carryover import Carryover
+from supervisor.continuation import NotContinuable
+from supervisor.demo_model import build_demo_model
+from tests.unit.test_seam_text import reference_logprobs
+
+PROMPT = [5, 6, 7]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from vllm.tokenizers import get_tokenizer
+
+    return get_tokenizer(str(build_demo_model(tmp_path_factory.mktemp("data"))))
+
+
+def engine_outputs(tok, ids, params, positions, detokenize=True):
+    """One engine's DELTA outputs for ``ids``: text from vLLM's detokenizer (or none), the
+    logprobs of each token from vLLM's logprobs processor, the running cumulative logprob."""
+    d = new_detokenizer(tok, PROMPT, params, "r")
+    out = []
+    for i, t in enumerate(ids):
+        d.update([t], False)
+        done = "length" if i == len(ids) - 1 else None
+        text = d.get_next_output_text(done is not None, True) if detokenize else ""
+        lps, cumulative = reference_logprobs(tok, positions[: i + 1], detokenize)
+        c = SimpleNamespace(token_ids=[t], text=text, finish_reason=done, stop_reason=None,
+                            logprobs=lps[-1:], cumulative_logprob=cumulative)
+        out.append(SimpleNamespace(outputs=[c], finished=done is not None, prompt_token_ids=PROMPT, prompt=None,
+                                   prompt_logprobs=None))
+    return out
+
+
+@pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY])
+def test_logprobs_are_carried_across_every_seam(tokenizer, kind):
+    ids = tokenizer.encode("naïve café 日本語 🙂 done", add_special_tokens=False)
+    positions = [([t, 40, 41], [-0.5, -1.5, -2.5], 1) for t in ids]
+    params = SamplingParams(temperature=0, max_tokens=len(ids), logprobs=2, ignore_eos=True, output_kind=kind)
+    whole, whole_cumulative = reference_logprobs(tokenizer, positions)
+    for k in range(1, len(ids)):
+        req = Carryover({"prompt_token_ids": PROMPT}, copy.deepcopy(params), {}, "r",
+                        lambda p, sp, rid: new_detokenizer(tokenizer, p, sp, rid), lambda: tokenizer, logprob_token_strings)
+        assert req.next_request()[0].logprobs == 2
+        read = [req.take(o) for o in engine_outputs(tokenizer, ids, params, positions)[:k]]
+        sub, prompt, _ = req.next_request()  # the seam
+        assert sub.logprobs == 2 and not sub.detokenize and prompt["prompt_token_ids"] == PROMPT + ids[:k]
+        new = engine_outputs(tokenizer, ids[k:], sub, positions[k:], detokenize=False)
+        read += [req.take(o) for o in new]
+        if kind is RequestOutputKind.FINAL_ONLY:
+            final = req.final(read[-1]).outputs[0]
+            assert final.logprobs == whole and final.token_ids == ids and final.text == tokenizer.decode(ids), k
+            assert abs(final.cumulative_logprob - whole_cumulative) < 1e-9
+        else:
+            assert [p for o in read for p in o.outputs[0].logprobs] == whole, k
+            assert abs(read[-1].outputs[0].cumulative_logprob - whole_cumulative) < 1e-9
+
+
+def test_flat_logprobs_are_refused_with_their_reason(tokenizer):
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=1, flat_logprobs=True, output_kind=RequestOutputKind.DELTA)
+    req = Carryover({"prompt_token_ids": PROMPT}, params, {}, "r", None, lambda: tokenizer, logprob_token_strings)
+    req.ids, req.yielded = [9], True
+    with pytest.raises(NotContinuable, match="flat logprobs"):
+        req.next_request()
