@@ -261,11 +261,43 @@ STREAMED_REQUESTS = [
 ]
 
 
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}
+STORY = [{"role": "user", "content": "Tell me a story"}]
+# The kinds of request a recovery must continue exactly (issue 36), here with no fault: the
+# same answers as `vllm serve` (seeded sampling included), streamed and not.
+CONTINUATION_KINDS = [
+    ("POST", "/v1/completions", {"prompt": "The quick", "max_tokens": 16, "temperature": 0, "logprobs": 2}),
+    ("POST", "/v1/chat/completions", {"messages": STORY, "max_tokens": 16, "temperature": 0, "logprobs": True, "top_logprobs": 2}),
+    ("POST", "/v1/completions", {"prompt": "The quick", "max_tokens": 24, "temperature": 0, "frequency_penalty": 0.8,
+                                 "stream": True}),
+    ("POST", "/v1/completions", {"prompt": "The quick", "max_tokens": 24, "temperature": 0, "presence_penalty": 0.8,
+                                 "stream": True}),
+    ("POST", "/v1/completions", {"prompt": "The quick", "max_tokens": 24, "temperature": 0, "bad_words": [" the", "ab"],
+                                 "stream": True}),
+    ("POST", "/v1/completions", {"prompt": "Once", "max_tokens": 24, "temperature": 0.9, "seed": 11, "stream": True}),
+    ("POST", "/v1/chat/completions", {"messages": STORY, "max_tokens": 24, "temperature": 0.7, "top_p": 0.9, "seed": 5,
+                                      "stream": True}),
+    ("POST", "/v1/completions", {"prompt": "Once", "max_tokens": 12, "temperature": 0.8, "seed": 3, "n": 2, "stream": True}),
+    ("POST", "/v1/chat/completions", {"messages": STORY, "max_tokens": 40, "temperature": 0,
+                                      "response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA}}}),
+    ("POST", "/v1/chat/completions", {"messages": STORY, "max_tokens": 40, "temperature": 0, "stream": True,
+                                      "response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA}}}),
+    ("POST", "/v1/chat/completions", {"messages": STORY, "max_tokens": 24, "temperature": 0, "stream": True,
+                                      "response_format": {"type": "json_object"}}),
+    ("POST", "/v1/completions", {"prompt": "Pick", "max_tokens": 8, "temperature": 0,
+                                 "structured_outputs": {"choice": ["yes", "no", "maybe"]}}),
+    ("POST", "/v1/completions", {"prompt": "Code", "max_tokens": 12, "temperature": 0,
+                                 "structured_outputs": {"regex": "[A-Z]{3}-[0-9]{4}"}}),
+    ("POST", "/v1/chat/completions", {"messages": HI, "max_tokens": 40, "temperature": 0, "tools": [TOOL],
+                                      "tool_choice": "required"}),
+]
+
+
 def drop_in_requests() -> list[tuple[str, str, dict]]:
     """The requests ``test_same_answers_as_vllm_serve`` sends (``httpx.request`` keywords):
     the valid and invalid JSON ones, every malformed body as raw bytes (not JSON, invalid
-    UTF-8, empty, …) and the streamed ones."""
-    as_json = [(m, p, {"json": b}) for m, p, b in FEATURE_REQUESTS[4:] + STREAMED_REQUESTS]
+    UTF-8, empty, …), the streamed ones and every kind a recovery must continue."""
+    as_json = [(m, p, {"json": b}) for m, p, b in FEATURE_REQUESTS[4:] + STREAMED_REQUESTS + CONTINUATION_KINDS]
     raw = [("POST", p, {"content": b, "headers": {"content-type": "application/json"}}) for p, b, _s, _f in MALFORMED]
     return as_json + raw
 
@@ -286,7 +318,10 @@ def test_same_answers_as_vllm_serve(daemon, tmp_path):
     diff = [(i, requests[i][1], str(requests[i][2])[:80], a, b) for i, (a, b) in enumerate(zip(ours, theirs)) if a != b]
     assert not diff, diff
     streamed = [o for o in ours if isinstance(o, tuple) and o[0] == "stream"]
-    assert len(streamed) == len(STREAMED_REQUESTS) and all(o[1] == 200 and o[-1] for o in streamed), streamed
+    n_streamed = len(STREAMED_REQUESTS) + sum(bool(b.get("stream")) for _m, _p, b in CONTINUATION_KINDS)
+    assert len(streamed) == n_streamed and all(o[1] == 200 and o[-1] for o in streamed), streamed
+    kinds = ours[len(requests) - len(MALFORMED) - len(CONTINUATION_KINDS):len(requests) - len(MALFORMED)]
+    assert all(k[1] == 200 if k[0] == "stream" else k[0] and not isinstance(k[0], int) for k in kinds), kinds
     errors = [o for o in ours if isinstance(o, tuple) and isinstance(o[0], int) and o[0] >= 400]
     assert len(errors) >= len(MALFORMED) and all(len(o) == 6 and o[-1] for o in errors), errors  # vLLM's error bodies
 
