@@ -14,7 +14,7 @@ import time
 
 from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
-from executor import canary
+from executor import canary, resume
 from executor.reporting import DeathReporter, Dead
 
 canary.bound_lost_wakeup()  # the engine core's readers, and the workers it forks
@@ -23,6 +23,7 @@ canary.bound_lost_wakeup()  # the engine core's readers, and the workers it fork
 class SupervisedMultiprocExecutor(DeathReporter, MultiprocExecutor):
     def _init_executor(self) -> None:
         self._wire()
+        resume.install()  # continued requests' grammars start where they stopped
         super()._init_executor()
         self._handles = list(self.workers)  # shutdown() may drop self.workers
 

@@ -41,7 +41,7 @@ from vllm.platforms import current_platform
 from vllm.v1.executor.ray_utils import RayWorkerWrapper, build_actor_name
 
 from executor.reporting import CAUSE_MAX_CHARS, DeathReporter
-from executor import canary, testhooks
+from executor import canary, resume, testhooks
 
 logger = logging.getLogger("vllm.supervisor.executor")
 
@@ -109,6 +109,7 @@ class SupervisedCompiledGraphExecutor(DeathReporter, _cg.RayDistributedExecutor)
 
     def _init_executor(self) -> None:
         self._wire()
+        resume.install()  # continued requests' grammars start where they stopped
         self._hooks = testhooks.enabled()  # False in production
         self._instance_id = self.vllm_config.instance_id
         cpu = current_platform.is_cpu()

@@ -32,7 +32,7 @@ import ray
 import vllm.v1.executor.ray_executor_v2 as _v2
 from vllm.platforms import current_platform
 
-from executor import canary
+from executor import canary, resume
 from executor.reporting import CAUSE_MAX_CHARS, DeathReporter, Dead
 
 canary.bound_lost_wakeup()  # in the engine core and in every worker: both import this module
@@ -74,6 +74,7 @@ class SupervisedRayExecutor(DeathReporter, _v2.RayExecutorV2):
     def _init_executor(self) -> None:
         started = time.time()
         self._wire()
+        resume.install()  # continued requests' grammars start where they stopped
         # vLLM names the actors after instance_id while they are created; keep that value.
         self._instance_id = self.vllm_config.instance_id
         self._standby_namespace = self._supervisor_config().get("standby_namespace")

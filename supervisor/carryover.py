@@ -23,12 +23,13 @@ from supervisor.continuation import (
 class Carryover:
     def __init__(self, prompt: Any, params: Any, kwargs: dict[str, Any], request_id: str,
                  detokenizer: Callable[[list[int], Any, str], Any], tokenizer: Callable[[], Any],
-                 token_strings: Callable[[Any, list[int], list[int]], list[str]]):
+                 token_strings: Callable[[Any, list[int], list[int]], list[str]], reasoning: bool = False):
         # The front's non-streaming mode (FINAL_ONLY) runs as a stream and is answered with one
         # output at the end, so it continues mid-way too; one that cannot be continued runs as
         # asked and, interrupted, simply runs again (nothing was sent).
+        self.reasoning = reasoning  # the engines parse reasoning: a grammar's start is the parser's state
         self.final_only = (params.output_kind == RequestOutputKind.FINAL_ONLY and params.n == 1
-                           and why_not_continuable(params) is None)
+                           and self._why_not(params) is None)
         if self.final_only:
             params = copy.copy(params)
             params.output_kind = RequestOutputKind.DELTA
@@ -50,6 +51,11 @@ class Carryover:
         self._text_seam: SeamText | None = None
         self._logprobs_seam: SeamLogprobs | None = None
 
+    def _why_not(self, params: Any) -> str | None:
+        if self.reasoning and getattr(params, "structured_outputs", None) is not None:
+            return "structured outputs with a reasoning parser (where the reasoning ended is its state)"
+        return why_not_continuable(params)
+
     def next_request(self) -> tuple[Any, Any, dict[str, Any]]:
         """(params, prompt, kwargs) for the next engine: the request as sent while nothing
         reached the client, else its continuation. Raises ``NotContinuable``."""
@@ -57,7 +63,9 @@ class Carryover:
             return copy.deepcopy(self.pristine), self.prompt, self.kwargs
         if not self.delta or self.params.n != 1:  # a FINAL_ONLY output is only yielded at the end
             raise NotContinuable("n > 1" if self.params.n != 1 else f"output kind {self.params.output_kind.name}")
-        sub = continuation_params(self.pristine, len(self.ids))
+        if (reason := self._why_not(self.pristine)) is not None:
+            raise NotContinuable(reason)
+        sub = continuation_params(self.pristine, len(self.ids), self.ids)
         engine_prompt = continuation_input(self.prompt, self.prompt_ids or [], self.ids)
         kw = {k: v for k, v in self.kwargs.items() if k not in ("prompt_text", "tokenization_kwargs")}
         if self._text_seam is None:

@@ -8,6 +8,8 @@ import copy
 from dataclasses import replace
 from typing import Any
 
+from executor.resume import RESUME_IDS_KEY
+
 
 class NotContinuable(Exception):
     """The request cannot be continued exactly; the client should retry it."""
@@ -27,8 +29,6 @@ def why_not_continuable(params: Any) -> str | None:
     """The reason a request with ``params`` cannot be continued token-exactly, or None."""
     if getattr(params, "n", 1) != 1:
         return "n > 1"
-    if getattr(params, "structured_outputs", None) is not None:
-        return "guided decoding (structured outputs) keeps state the new engine cannot rebuild"
     if (params.presence_penalty or 0) != 0 or (params.frequency_penalty or 0) != 0:
         return "presence/frequency penalties count only generated tokens"
     if getattr(params, "seed", None) is not None and (params.temperature or 0) > 0:
@@ -40,8 +40,9 @@ def why_not_continuable(params: Any) -> str | None:
     return None
 
 
-def continuation_params(params: Any, delivered: int) -> Any:
-    """``params`` for the rest of a request after ``delivered`` tokens reached the client.
+def continuation_params(params: Any, delivered: int, delivered_ids: list[int] | None = None) -> Any:
+    """``params`` for the rest of a request after ``delivered`` tokens reached the client
+    (``delivered_ids``: those tokens, for a structured-output request's grammar).
 
     After a seam the new engine produces token ids only: stop strings are checked and the
     text is made by a ``SeamText`` that has seen the whole sequence, so the engine neither
@@ -61,6 +62,11 @@ def continuation_params(params: Any, delivered: int) -> Any:
     sub.prompt_logprobs = None  # delivered with the first output; the prompt is now longer
     sub.output_text_buffer_length = 0
     sub.detokenize = False
+    if getattr(params, "structured_outputs", None) is not None:
+        # the new engine's grammar accepts the delivered tokens before its first step (executor.resume)
+        if delivered_ids is None or len(delivered_ids) != delivered:
+            raise NotContinuable("a structured-output request needs its delivered tokens")
+        sub.extra_args = {**(params.extra_args or {}), RESUME_IDS_KEY: list(delivered_ids)}
     return sub
 
 

@@ -59,7 +59,7 @@ class SupervisedEngineClient(EngineClient):
         self.admission = Admission(dispatcher)
         self.streams = Streams(dispatcher, self.admission,
                                lambda ids, params, rid: self.new_detokenizer(self.tokenizer, ids, params, rid),
-                               lambda: self.tokenizer)
+                               lambda: self.tokenizer, self._reasoning_parser)
 
     # what the daemon's status, metrics and drain read
     in_flight = property(lambda self: self.streams.in_flight)
@@ -68,6 +68,11 @@ class SupervisedEngineClient(EngineClient):
     _test_hooks = property(lambda self: self.streams.test_hooks)
     waiting_new = property(lambda self: self.admission.waiting_new)  # new requests queued for admission
     parked = property(lambda self: self.admission.parked)  # in-flight requests waiting for the next generation
+
+    def _reasoning_parser(self) -> str:
+        """The engines' ``--reasoning-parser`` ("" without one)."""
+        config = getattr(self.vllm_config, "structured_outputs_config", None)
+        return getattr(config, "reasoning_parser", "") or ""
 
     def attach(self, engine: Any, tasks: tuple[str, ...], front: tuple[Any, Any], epoch: int = 0) -> None:
         """Take the model config and tasks of the first engine (and again after a reload

@@ -34,11 +34,13 @@ class Streams:
     ``tokenizer()`` is the request path's current tokenizer (for the test hook)."""
 
     def __init__(self, dispatcher: Dispatcher, admission: Admission,
-                 detokenizer: Callable[[list[int], Any, str], Any], tokenizer: Callable[[], Any]):
+                 detokenizer: Callable[[list[int], Any, str], Any], tokenizer: Callable[[], Any],
+                 reasoning_parser: Callable[[], str] = lambda: ""):
         self.d = dispatcher
         self.admission = admission
         self._detokenizer = detokenizer
         self._tokenizer = tokenizer
+        self._reasoning_parser = reasoning_parser  # the engines' --reasoning-parser ("" without)
         self.in_flight = 0
         self.held = 0  # streams stopped by the test hook
         self.test_hooks = testhooks.enabled()  # False in production
@@ -53,10 +55,10 @@ class Streams:
         text and logprobs' token strings after a seam as the first engine would make them)."""
         d = self.d
         req = Carryover(prompt, sampling_params, kwargs, request_id, self._detokenizer, self._tokenizer,
-                        logprob_token_strings)
+                        logprob_token_strings, reasoning=bool(self._reasoning_parser()))
         params = req.params
         seen_output = False
-        hold_after = testhooks.hold_midchar_after(params) if self.test_hooks else None
+        hold_at = testhooks.hold_point(params) if self.test_hooks else None
         attempt = 0
         dead: Generation | None = None  # the generation this request last saw fail
         arrived = last = time.monotonic()
@@ -96,8 +98,8 @@ class Streams:
                             yield out
                         if out.finished:
                             break  # a stop string found across the seam ends the request here
-                        if hold_after is not None and attempt == 0:
-                            await self._maybe_hold(gen, req.ids, hold_after)
+                        if hold_at is not None and attempt == 0:
+                            await self._maybe_hold(gen, req.ids, *hold_at)
                     m.e2e.observe(time.monotonic() - arrived)
                     d.count_outcome("continued" if attempt else "ok")
                     log.info("request done", request_id=request_id, attempts=attempt + 1,
@@ -129,11 +131,12 @@ class Streams:
             if held is not None and held[0].engine is not None and not held[0].failed:
                 await held[0].engine.abort(held[1])
 
-    async def _maybe_hold(self, gen: Generation, delivered: list[int], after: int) -> None:
-        """Test hook (``supervisor.testhooks``): stop a first-engine stream right after a token
-        that ends inside a UTF-8 character, until its engine fails."""
+    async def _maybe_hold(self, gen: Generation, delivered: list[int], after: int, midchar: bool = True) -> None:
+        """Test hook (``supervisor.testhooks``): stop a first-engine stream, once ``after`` tokens
+        were delivered, right after a token that ends inside a UTF-8 character (``midchar``) or
+        at once, until its engine fails."""
         d = self.d
-        if len(delivered) < after or not testhooks.ends_mid_character(self._tokenizer(), delivered):
+        if len(delivered) < after or (midchar and not testhooks.ends_mid_character(self._tokenizer(), delivered)):
             return
         self.held += 1
         try:  # until the engine fails, or the daemon stops (then the stream just goes on)

@@ -7,6 +7,7 @@ Hold at a mid-character token: a request that carries
 character, and waits there until its engine fails (``/readyz?verbose`` counts the streams
 held as ``test_held``). A test kills a worker when every request is held, so every seam
 falls inside a multi-byte character. Only for byte-level BPE tokenizers (the demo model's).
+``vllm_xargs={"supervisor_test_hold_after": N}`` holds right after the ``N``-th token instead.
 
 Without the step clock (``VLLM_SUPERVISOR_TEST_TOKEN_CLOCK=1``): tokens are the probe's clock.
 
@@ -20,6 +21,7 @@ from typing import Any
 from executor.testhooks import ENV, enabled  # noqa: F401 - one switch for both layers
 
 HOLD_MIDCHAR = "supervisor_test_hold_midchar"
+HOLD_AFTER = "supervisor_test_hold_after"
 TOKEN_CLOCK_ENV = "VLLM_SUPERVISOR_TEST_TOKEN_CLOCK"
 
 
@@ -37,6 +39,17 @@ def hold_midchar_after(params: Any) -> int | None:
     """The request's hold threshold (tokens), or None."""
     value = (getattr(params, "extra_args", None) or {}).get(HOLD_MIDCHAR)
     return int(value) if isinstance(value, (int, float, str)) and str(value).isdigit() else None
+
+
+def hold_point(params: Any) -> tuple[int, bool] | None:
+    """(tokens, mid-character only) at which the request holds, or None: ``HOLD_MIDCHAR``
+    holds at the first token that ends inside a character once that many were delivered,
+    ``HOLD_AFTER`` right after that many (output that may never split a character, e.g. JSON)."""
+    midchar = hold_midchar_after(params)
+    if midchar is not None:
+        return midchar, True
+    value = (getattr(params, "extra_args", None) or {}).get(HOLD_AFTER)
+    return (int(value), False) if isinstance(value, (int, float, str)) and str(value).isdigit() else None
 
 
 @lru_cache(maxsize=1)

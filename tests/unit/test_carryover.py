@@ -74,3 +74,22 @@ def test_flat_logprobs_are_refused_with_their_reason(tokenizer):
     req.ids, req.yielded = [9], True
     with pytest.raises(NotContinuable, match="flat logprobs"):
         req.next_request()
+
+
+def test_structured_outputs_with_a_reasoning_parser_are_refused_and_run_again(tokenizer):
+    from vllm.sampling_params import StructuredOutputsParams
+
+    for kind in (RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY):
+        params = SamplingParams(temperature=0, max_tokens=8, output_kind=kind,
+                                structured_outputs=StructuredOutputsParams(json_object=True))
+        req = Carryover({"prompt_token_ids": PROMPT}, params, {}, "r", None, lambda: tokenizer, logprob_token_strings,
+                        reasoning=True)
+        assert not req.final_only  # not streamed: interrupted, it runs again from the start
+        if kind is RequestOutputKind.FINAL_ONLY:
+            assert req.next_request()[1] == {"prompt_token_ids": PROMPT}
+        else:
+            req.ids, req.yielded = [9], True
+            with pytest.raises(NotContinuable, match="reasoning parser"):
+                req.next_request()
+        plain = Carryover({"prompt_token_ids": PROMPT}, params, {}, "r", None, lambda: tokenizer, logprob_token_strings)
+        assert plain.final_only == (kind is RequestOutputKind.FINAL_ONLY)

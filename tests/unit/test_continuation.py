@@ -34,7 +34,6 @@ def test_nothing_delivered_resubmits_a_fresh_copy():
         ({"frequency_penalty": 0.5}, "penalties"),
         ({"temperature": 0.7, "seed": 1}, "seeded"),
         ({"bad_words": ["fox jumps"]}, "bad_words"),
-        ({"structured_outputs": StructuredOutputsParams(regex="[a-z]+")}, "guided"),
     ],
 )
 def test_not_exactly_continuable(kwargs, fragment):
@@ -42,6 +41,19 @@ def test_not_exactly_continuable(kwargs, fragment):
     assert fragment in why_not_continuable(p)
     with pytest.raises(NotContinuable, match=fragment):
         continuation_params(p, delivered=3)
+
+
+def test_a_structured_request_carries_its_delivered_tokens_to_the_next_grammar():
+    from executor.resume import RESUME_IDS_KEY
+
+    p = SamplingParams(temperature=0, max_tokens=50, structured_outputs=StructuredOutputsParams(regex="[a-z]+"),
+                       extra_args={"kv_transfer_params": {"x": 1}})
+    assert why_not_continuable(p) is None
+    sub = continuation_params(p, 3, [7, 8, 9])
+    assert sub.extra_args == {"kv_transfer_params": {"x": 1}, RESUME_IDS_KEY: [7, 8, 9]}
+    assert p.extra_args == {"kv_transfer_params": {"x": 1}}  # the client's own params untouched
+    with pytest.raises(NotContinuable, match="delivered tokens"):
+        continuation_params(p, 3)
 
 
 def test_unseeded_sampling_and_repetition_penalty_are_continuable():
