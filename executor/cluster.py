@@ -6,8 +6,10 @@ threads, never on its event loop.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 
 import ray
@@ -27,6 +29,8 @@ WORKER_PREFIX = "vllm_Worker_"
 # SIGKILL of a worker that does not answer the kill (5 s, measured on Ray 2.60).
 CLAIM_RELEASE_WAIT_S = 10.0
 
+
+log = logging.getLogger("vllm_supervisor.cluster")
 
 SPREAD_WAIT_S = 5.0  # how long a replica's group waits for a node of its own before it may share one
 
@@ -301,11 +305,18 @@ def release_claims(claims: list[tuple[object, list[int]]], wait_s: float = CLAIM
     would let the next generation's worker be placed on a GPU whose memory the old one
     still holds. Returns what each claim saw (``[]`` when none answered)."""
     refs = [handle.wait_gone.remote(pids, wait_s) for handle, pids in claims if pids]
-    try:
-        seen = ray.get(refs, timeout=wait_s + 5.0) if refs else []
-    except Exception:  # a claim that died or a wait that overran: release anyway, bounded
-        seen = []
+    deadline = time.monotonic() + wait_s + 5.0
+    seen = []
+    for ref in refs:  # one by one: a claim that died (its node) must not cut the others' waits short
+        try:
+            seen.append(ray.get(ref, timeout=max(0.1, deadline - time.monotonic())))
+        except Exception as exc:  # that claim died, or its wait overran: released anyway, bounded
+            seen.append({"gone": False, "error": f"{type(exc).__name__}: {exc}"[:200]})
     kill_handles([handle for handle, _ in claims])
+    if any(not s.get("gone") for s in seen):
+        log.warning("bundle claims released with a worker not seen gone: %s", seen)
+    elif seen:
+        log.info("bundle claims released after their workers: %s", seen)
     return seen
 
 

@@ -57,11 +57,21 @@ logger = logging.getLogger("vllm.supervisor.executor")
 
 # The devices a standby does not see until adopted (CUDA's runtime and ROCm's HIP both read it).
 DEVICES_VAR = "CUDA_VISIBLE_DEVICES"
+NVML_CHECK_VAR = "PYTORCH_NVML_BASED_CUDA_CHECK"
 
 
 class StandbyMismatch(RuntimeError):
     """The standby cannot stand for the worker the executor would create: it runs on another
     node than the rank's bundle, was adopted already, or initialised CUDA."""
+
+
+def devices_unseen() -> bool:
+    """On a GPU platform: whether this process's CUDA sees no device. CUDA reads
+    ``CUDA_VISIBLE_DEVICES`` once, when it initialises (``torch.cuda.is_available()`` alone does
+    that without NVML's check), and torch caches the count: a standby in which an import did so
+    while the devices were hidden can never see one, whatever ``adopt`` restores."""
+    torch = sys.modules.get("torch")
+    return torch is not None and not current_platform.is_cpu() and torch.cuda.device_count() == 0
 
 
 def cuda_initialized() -> bool:
@@ -75,8 +85,12 @@ class StandbyRayWorkerProc(SupervisedRayWorkerProc):
 
     def __init__(self, preload: list[str], created_with: dict):  # noqa: D107 (deferred)
         started = time.monotonic()
-        self._devices = os.environ.get(DEVICES_VAR)  # None: unset; ``adopt`` restores exactly this
+        # None: unset; ``adopt`` restores exactly these. NVML's check keeps torch.cuda.is_available()
+        # from initialising CUDA (vLLM sets it in its workers too).
+        self._saved_env = {k: os.environ.get(k) for k in (DEVICES_VAR, NVML_CHECK_VAR)}
+        self._devices = self._saved_env[DEVICES_VAR]
         os.environ[DEVICES_VAR] = ""
+        os.environ[NVML_CHECK_VAR] = "1"
         for module in preload:
             importlib.import_module(module)
         self._cuda = cuda_initialized()
@@ -103,12 +117,16 @@ class StandbyRayWorkerProc(SupervisedRayWorkerProc):
         if self._cuda or cuda_initialized():
             logger.error("standby worker (pid %d) initialised CUDA before adoption: refusing it", os.getpid())
             raise StandbyMismatch("the standby initialised CUDA before adoption")
+        for key, value in self._saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        if devices_unseen():
+            logger.error("standby worker (pid %d) initialised CUDA while its devices were hidden: refusing it", os.getpid())
+            raise StandbyMismatch("the standby's CUDA sees no device (initialised while they were hidden)")
         self._adopted = True
         self._claimed_ids = claimed_ids
-        if self._devices is None:
-            os.environ.pop(DEVICES_VAR, None)
-        else:
-            os.environ[DEVICES_VAR] = self._devices
         SupervisedRayWorkerProc.__init__(self, **init_kwargs)
         return os.getpid()
 

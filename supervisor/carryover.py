@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from vllm.sampling_params import RequestOutputKind
 
+from executor.resume import RESUME_IDS_KEY
 from supervisor.continuation import (
     NotContinuable, SeamLogprobs, SeamText, continuation_input, continuation_params, why_not_continuable,
 )
@@ -24,6 +25,9 @@ class Carryover:
     def __init__(self, prompt: Any, params: Any, kwargs: dict[str, Any], request_id: str,
                  detokenizer: Callable[[list[int], Any, str], Any], tokenizer: Callable[[], Any],
                  token_strings: Callable[[Any, list[int], list[int]], list[str]], reasoning: bool = False):
+        if RESUME_IDS_KEY in (params.extra_args or {}):  # only a continuation may set it (executor.resume)
+            params = copy.copy(params)
+            params.extra_args = {k: v for k, v in params.extra_args.items() if k != RESUME_IDS_KEY}
         # The front's non-streaming mode (FINAL_ONLY) runs as a stream and is answered with one
         # output at the end, so it continues mid-way too; one that cannot be continued runs as
         # asked and, interrupted, simply runs again (nothing was sent).

@@ -16,6 +16,7 @@ The daemon decides which generation serves; this object sees it only as a ``Disp
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from typing import Any, AsyncGenerator, Callable, Iterable
@@ -199,23 +200,31 @@ class SupervisedEngineClient(EngineClient):
             self.holds.discard(reason)
             self.released_monotonic = time.monotonic()
 
+    # The holds' state is written before their calls fan out, so that an engine being held
+    # like the others (``hold_like_the_others``) sees every change that reaches them.
+
     async def sleep(self, *args: Any, **kwargs: Any) -> None:
         self._hold("sleep")
-        self.asleep = {"args": args, "kwargs": kwargs, "woken": []}
+        self.asleep = {"args": args, "kwargs": kwargs, "level": kwargs.get("level", args[0] if args else 1), "woken": []}
         await self._each("sleep", *args, **kwargs)
 
     async def release_kv_cache_memory(self) -> None:
         await self._each("release_kv_cache_memory")
 
     async def wake_up(self, tags: list[str] | None = None) -> bool:
+        if tags is None or self.asleep is None:
+            self.asleep = None
+        else:  # a partial wake (vLLM's tags: weights, kv_cache): the rest sleeps on
+            self.asleep = {**self.asleep, "woken": sorted(set(self.asleep["woken"]) | set(tags))}
         try:
-            return all(await self._each("wake_up", tags))
+            woke = all(await self._each("wake_up", tags))
         finally:
             self._release("sleep")
-            if tags is None or self.asleep is None:
-                self.asleep = None
-            else:  # a partial wake (vLLM's tags: weights, kv_cache): the rest sleeps on
-                self.asleep["woken"] = sorted(set(self.asleep["woken"]) | set(tags))
+        if self.asleep is not None and self.d.serving():
+            with contextlib.suppress(Exception):
+                if not any(await self._each("is_sleeping")):
+                    self.asleep = None  # woken in full, tag by tag
+        return woke
 
     async def is_sleeping(self) -> bool:
         return bool(self.d.serving() and any(await self._each("is_sleeping")))
@@ -225,31 +234,50 @@ class SupervisedEngineClient(EngineClient):
 
     async def pause_generation(self, **kwargs: Any) -> None:
         self._hold("pause")
-        self.paused = kwargs
+        self.paused = dict(kwargs)
         await self._each("pause_generation", **kwargs)
 
     async def resume_generation(self) -> None:
+        self.paused = None
         try:
             await self._each("resume_generation")
         finally:
             self._release("pause")
-            self.paused = None
 
     async def hold_like_the_others(self, engine: Any) -> list[str]:
         """A newly built engine (a recovery's, a replica's) joins as the operator left the
-        others, before it serves: asleep at the same level, woken as far as they were, paused.
-        Without this a recovery while the engines sleep (vLLM's sleep mode) would leave an
-        awake engine holding the device memory lent to another process. Returns what it did."""
-        done = []
-        if self.asleep is not None:
-            await engine.sleep(*self.asleep["args"], **self.asleep["kwargs"])
-            done.append("sleep")
-            if self.asleep["woken"]:
-                await engine.wake_up(self.asleep["woken"])
-                done.append(f"wake_up {self.asleep['woken']}")
-        if self.paused is not None:
-            await engine.pause_generation(**self.paused)
-            done.append("pause_generation")
+        others, before it serves: asleep at the same level, woken as far as they were, paused;
+        and follows every change made meanwhile (a wake or resume whose calls to the others were
+        under way). Without this a recovery while the engines sleep (vLLM's sleep mode) would
+        leave an awake engine holding the device memory lent to another process. A level-2
+        sleep woken in part is not replayed: level 2 discards the weights, and the operator was
+        loading new ones into the others; this engine has the model's own. Returns what it did."""
+        done: list[str] = []
+        slept, paused = None, None  # what this engine has been given
+        while (self.asleep, self.paused) != (slept, paused):  # no await between this check and serving
+            want, want_paused = self.asleep, self.paused
+            if want != slept:
+                if want is None:
+                    await engine.wake_up(None)
+                    done.append("wake_up")
+                elif slept is None and want["level"] == 2 and want["woken"]:
+                    done.append("left awake (level-2 sleep woken in part)")
+                else:
+                    if slept is None:
+                        await engine.sleep(*want["args"], **want["kwargs"])
+                        done.append(f"sleep level {want['level']}")
+                    if tags := sorted(set(want["woken"]) - set(slept["woken"] if slept else ())):
+                        await engine.wake_up(tags)
+                        done.append(f"wake_up {tags}")
+                slept = want
+            if want_paused != paused:
+                if want_paused is None:
+                    await engine.resume_generation()
+                    done.append("resume_generation")
+                else:
+                    await engine.pause_generation(**want_paused)
+                    done.append("pause_generation")
+                paused = want_paused
         return done
 
     async def is_paused(self) -> bool:

@@ -58,7 +58,8 @@ class Generation:
 
     def hang_timeout(self, steady_s: float) -> float:
         """How long this generation may take no step, busy, before it is hung: ``steady_s``
-        once it has taken ``first_steps`` steps (or when it reports none), longer before."""
+        once it has taken ``first_steps`` steps (or when it has no step clock: the test hook's
+        token clock), longer before."""
         taken = self.steps.steps if self.steps is not None else self.first_steps
         return max(steady_s, self.first_steps_timeout_s) if taken < self.first_steps else steady_s
 

@@ -193,7 +193,7 @@ class Recovery:
             if delay:
                 await asyncio.sleep(delay)
             attempt += 1
-            number = None
+            number, gen = None, None
             try:
                 t = time.monotonic()
                 await asyncio.to_thread(sup.ray.ensure_placement_group, rep.index)
@@ -229,6 +229,8 @@ class Recovery:
                     sup.machine.transition(State.RECOVERING, f"waiting for capacity: {exc}")
                 if number is not None:  # not placed: no number taken, nothing built
                     standby.build_failed(number)
+                    if gen is not None:  # built, then a step after it failed: its engine goes too
+                        await self._discard(gen)
                     await asyncio.to_thread(builder.cleanup_failed_build, number)
                 continue
             rep.building = None

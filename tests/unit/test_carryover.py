@@ -93,3 +93,18 @@ def test_structured_outputs_with_a_reasoning_parser_are_refused_and_run_again(to
                 req.next_request()
         plain = Carryover({"prompt_token_ids": PROMPT}, params, {}, "r", None, lambda: tokenizer, logprob_token_strings)
         assert plain.final_only == (kind is RequestOutputKind.FINAL_ONLY)
+
+
+def test_a_client_cannot_send_resume_ids_of_its_own(tokenizer):
+    """Only a continuation tells the new engine's grammar which tokens were delivered: the key
+    is taken out of what a client sends (``vllm_xargs``)."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    from executor.resume import RESUME_IDS_KEY
+
+    params = SamplingParams(temperature=0, max_tokens=8, output_kind=RequestOutputKind.DELTA,
+                            structured_outputs=StructuredOutputsParams(json_object=True),
+                            extra_args={RESUME_IDS_KEY: [1, 2, 3], "other": 1})
+    req = Carryover({"prompt_token_ids": PROMPT}, params, {}, "r", None, lambda: tokenizer, logprob_token_strings)
+    sub, _, _ = req.next_request()
+    assert sub.extra_args == {"other": 1} and params.extra_args[RESUME_IDS_KEY] == [1, 2, 3]

@@ -148,6 +148,23 @@ def test_standby_that_initialises_cuda_after_its_preload_refuses_adoption(standb
     assert initialised == []
 
 
+def test_a_standby_whose_cuda_saw_no_device_refuses_adoption(standby_module, monkeypatch):
+    """On a GPU, an import that made CUDA initialise while the devices were hidden leaves the
+    process without a device for good (CUDA reads the variable once): refused, not adopted."""
+    import torch
+
+    initialised = []
+    monkeypatch.setattr(standby_module.SupervisedRayWorkerProc, "__init__", lambda self, **kw: initialised.append(kw))
+    worker = standby_module.StandbyRayWorkerProc([], {})
+    monkeypatch.setattr(standby_module.current_platform, "is_cpu", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(standby_module.StandbyMismatch, match="sees no device"):
+        worker.adopt("node-a", None, rank=0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    worker.adopt("node-a", None, rank=0)
+    assert initialised == [{"rank": 0}]
+
+
 @pytest.mark.parametrize("before", [None, "", "3,5"])
 def test_adopt_restores_the_devices_exactly_before_vllms_init(standby_module, monkeypatch, before):
     if before is not None:

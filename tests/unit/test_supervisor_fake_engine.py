@@ -68,11 +68,16 @@ class FakeEngine:
             hook(self, call[0])
 
     async def sleep(self, level=1, mode="abort"):
+        self.sleeping = {"weights", "kv_cache"}
         await self._record("sleep", level)
 
     async def wake_up(self, tags=None):
+        self.sleeping = getattr(self, "sleeping", set()) - set(tags or ("weights", "kv_cache"))
         await self._record("wake_up", tags)
         return True
+
+    async def is_sleeping(self):
+        return bool(getattr(self, "sleeping", None))
 
     async def pause_generation(self, **kwargs):
         await self._record("pause_generation", kwargs)
@@ -406,7 +411,9 @@ def test_hang_is_detected_by_the_probe(tmp_path):
 def test_an_engine_asleep_is_rebuilt_asleep_before_it_serves(tmp_path):
     """A recovery while the engines sleep (vLLM's sleep mode, GPU only) must not leave an awake
     engine on memory lent to another process: the new engine is put to sleep again at the same
-    level, and woken as far as the old one was, before it is marked serving; paused, it is paused."""
+    level, and woken as far as the old one was, before it is marked serving; paused, it is
+    paused. A wake that reaches the others while the new engine is being held reaches it too.
+    A level-2 sleep woken in part (new weights being loaded) is not replayed."""
     async def scenario():
         sup = FakeSupervisor(settings(tmp_path))
         owner = asyncio.create_task(sup.run())
@@ -414,27 +421,45 @@ def test_an_engine_asleep_is_rebuilt_asleep_before_it_serves(tmp_path):
         seen = []
         FakeEngine.on_hold = lambda engine, call: seen.append(
             (call, getattr(sup.replicas[0].current, "engine", None) is engine, sup.state))
+
+        async def recover(number):
+            sup.engines[number - 1].die()
+            sup.post(EngineFailed(number, "worker_death", "rank 0 killed"))
+            await wait_for(lambda: sup.generation_number == number + 1 and sup.state is State.READY)
+            return sup.engines[number]
+
         try:
-            await sup.client.sleep(2)
+            await sup.client.sleep(1)
             await sup.client.wake_up(["weights"])
             await sup.client.pause_generation(mode="keep")
-            assert sup.engines[0].held == [("sleep", 2), ("wake_up", ["weights"]), ("pause_generation", {"mode": "keep"})]
+            assert sup.engines[0].held == [("sleep", 1), ("wake_up", ["weights"]), ("pause_generation", {"mode": "keep"})]
             seen.clear()
-            sup.engines[0].die()
-            sup.post(EngineFailed(1, "worker_death", "rank 0 killed"))
-            await wait_for(lambda: sup.generation_number == 2 and sup.state is State.READY)
-            assert sup.engines[1].held == [("sleep", 2), ("wake_up", ["weights"]), ("pause_generation", {"mode": "keep"})]
+            new = await recover(1)
+            assert new.held == [("sleep", 1), ("wake_up", ["weights"]), ("pause_generation", {"mode": "keep"})]
             # each before the new engine served: not yet the replica's, the daemon still recovering
             assert [(c, current) for c, current, _ in seen] == [("sleep", False), ("wake_up", False), ("pause_generation", False)]
             assert all(state is State.RECOVERING for _, _, state in seen), seen
-            # woken and resumed, the next engine is built as it is
-            await sup.client.wake_up()
+
+            # woken in full tag by tag and resumed: the next engine is built as it is
+            await sup.client.wake_up(["kv_cache"])
             await sup.client.resume_generation()
             assert sup.client.asleep is None and sup.client.paused is None
-            sup.engines[1].die()
-            sup.post(EngineFailed(2, "worker_death", "rank 0 killed"))
-            await wait_for(lambda: sup.generation_number == 3 and sup.state is State.READY)
-            assert sup.engines[2].held is None
+            assert (await recover(2)).held is None
+
+            # a wake that reaches the others while a new engine is being put to sleep reaches it too
+            await sup.client.sleep(1)
+            waking = []
+            FakeEngine.on_hold = lambda engine, call: call == "sleep" and not waking and waking.append(
+                asyncio.ensure_future(sup.client.wake_up()))
+            new = await recover(3)
+            await waking[0]
+            assert new.held == [("sleep", 1), ("wake_up", None)] and not await new.is_sleeping()
+            FakeEngine.on_hold = None
+
+            # level 2 woken in part: the operator is loading new weights into the others
+            await sup.client.sleep(2)
+            await sup.client.wake_up(["weights"])
+            assert (await recover(4)).held is None
         finally:
             FakeEngine.on_hold = None
         owner.cancel()
