@@ -1,7 +1,7 @@
 """The executor's side of adopting a standby worker (``executor.standby`` makes them): where
 vLLM's executor creates a worker actor, the standby of that name is adopted instead when
-one can be. Imported by ``executor.ray_v2``; of ours it imports only ``executor.cluster`` (no
-worker class), so the standby module can build on the executor's worker class without a circle."""
+one can be. Imported by ``executor.ray_v2``; imports nothing of ours, so the standby
+module can build on the executor's worker class without a circle."""
 
 from __future__ import annotations
 
@@ -9,8 +9,6 @@ from typing import Any
 
 import ray
 from vllm.platforms import current_platform
-
-from executor.cluster import CLAIM_PREFIX  # noqa: F401 (the executor names its claims with it)
 
 # The actor options in which a standby differs from the worker vLLM creates, by design: its
 # own name and namespace, no resources (the executor's bundle claim holds them), node affinity

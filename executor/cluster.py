@@ -23,7 +23,7 @@ class PlacementGroupTimeout(RuntimeError):
     """The placement group could not be placed before its deadline."""
 
 
-CLAIM_PREFIX = "vllm_Claim_"  # + the worker's name after "vllm_Worker_" (executor.adoption)
+CLAIM_PREFIX = "vllm_Claim_"  # + the worker's name after WORKER_PREFIX (executor.ray_v2 names its claims so)
 WORKER_PREFIX = "vllm_Worker_"
 # How long a claim waits for its killed worker's process to exit: more than a raylet's
 # SIGKILL of a worker that does not answer the kill (5 s, measured on Ray 2.60).

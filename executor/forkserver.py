@@ -129,10 +129,6 @@ def stop(timeout_s: float = 5.0) -> None:
             time.sleep(0.05)
 
 
-def _spawn_context() -> multiprocessing.context.BaseContext:
-    return multiprocessing.get_context("spawn")
-
-
 @contextlib.contextmanager
 def engine_core_start_method(use_forkserver: bool) -> Iterator[None]:
     """While building one engine: vLLM's engine-core launcher forks from the fork server
@@ -143,7 +139,7 @@ def engine_core_start_method(use_forkserver: bool) -> Iterator[None]:
     import vllm.v1.engine.utils as engine_utils
 
     original = engine_utils.get_mp_context
-    context = _CONTEXT if use_forkserver else _spawn_context()
+    context = _CONTEXT if use_forkserver else multiprocessing.get_context("spawn")
     # vLLM's own function still runs for its side effects (it forces and exports the start
     # method its children use, and syncs device visibility variables); its context is not used.
     engine_utils.get_mp_context = lambda: (original(), context)[1]

@@ -116,8 +116,8 @@ class SupervisedRayExecutor(DeathReporter, _v2.RayExecutorV2):
         there is none or it cannot be adopted (vLLM then creates the actor): among others when
         it was created with other actor options than ``options`` (vLLM's, but for those a
         standby sets otherwise) or initialised CUDA while importing."""
-        from executor.cluster import kill_handles
-        from executor.adoption import CLAIM_PREFIX, bundle_node, claim_bundle, option_mismatch
+        from executor.adoption import bundle_node, claim_bundle, option_mismatch
+        from executor.cluster import CLAIM_PREFIX, WORKER_PREFIX, kill_handles
 
         name = options["name"]
         try:
@@ -139,7 +139,7 @@ class SupervisedRayExecutor(DeathReporter, _v2.RayExecutorV2):
             if not current_platform.is_cpu():  # hold the bundle's device for the adopted worker
                 resources = {k: v for k, v in _v2.RayExecutorV2._get_actor_resource_kwargs().items()
                              if k in ("num_gpus", "resources")}
-                claim, ids = claim_bundle(strategy, name.replace("vllm_Worker_", CLAIM_PREFIX, 1), resources,
+                claim, ids = claim_bundle(strategy, name.replace(WORKER_PREFIX, CLAIM_PREFIX, 1), resources,
                                           self._standby_namespace)
                 claimed_ids = list(ids)  # Ray's ids as strings (they may be UUIDs)
             pid = ray.get(handle.adopt.remote(node_id, claimed_ids, **init_kwargs))

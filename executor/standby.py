@@ -88,7 +88,6 @@ class StandbyRayWorkerProc(SupervisedRayWorkerProc):
         # None: unset; ``adopt`` restores exactly these. NVML's check keeps torch.cuda.is_available()
         # from initialising CUDA (vLLM sets it in its workers too).
         self._saved_env = {k: os.environ.get(k) for k in (DEVICES_VAR, NVML_CHECK_VAR)}
-        self._devices = self._saved_env[DEVICES_VAR]
         os.environ[DEVICES_VAR] = ""
         os.environ[NVML_CHECK_VAR] = "1"
         for module in preload:

@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from vllm.sampling_params import RequestOutputKind
 
+from executor.engine import logprob_token_strings
 from executor.resume import RESUME_IDS_KEY
 from supervisor.continuation import (
     NotContinuable, SeamLogprobs, SeamText, continuation_input, continuation_params, why_not_continuable,
@@ -23,8 +24,7 @@ from supervisor.continuation import (
 
 class Carryover:
     def __init__(self, prompt: Any, params: Any, kwargs: dict[str, Any], request_id: str,
-                 detokenizer: Callable[[list[int], Any, str], Any], tokenizer: Callable[[], Any],
-                 token_strings: Callable[[Any, list[int], list[int]], list[str]], reasoning: bool = False):
+                 detokenizer: Callable[[list[int], Any, str], Any], tokenizer: Callable[[], Any], reasoning: bool = False):
         if RESUME_IDS_KEY in (params.extra_args or {}):  # only a continuation may set it (executor.resume)
             params = copy.copy(params)
             params.extra_args = {k: v for k, v in params.extra_args.items() if k != RESUME_IDS_KEY}
@@ -41,7 +41,7 @@ class Carryover:
         self.pristine = copy.deepcopy(params)  # an engine may mutate the one it is given
         self.delta = params.output_kind == RequestOutputKind.DELTA
         self.prompt, self.kwargs, self.request_id = prompt, kwargs, request_id
-        self._detokenizer, self._tokenizer, self._token_strings = detokenizer, tokenizer, token_strings
+        self._detokenizer, self._tokenizer = detokenizer, tokenizer
         # what the client has read
         self.prompt_ids: list[int] | None = None
         self.prompt_text: str | None = None
@@ -76,7 +76,7 @@ class Carryover:
             self._text_seam = SeamText(self._detokenizer(self.prompt_ids or [], self.pristine, self.request_id),
                                        self.ids, "".join(self.text))
         if self.pristine.logprobs is not None:  # per engine: its cumulative logprob starts at 0
-            self._logprobs_seam = SeamLogprobs(self._token_strings, self._tokenizer(), self.ids, self.cumulative_logprob)
+            self._logprobs_seam = SeamLogprobs(logprob_token_strings, self._tokenizer(), self.ids, self.cumulative_logprob)
         return sub, engine_prompt, kw
 
     def take(self, out: Any) -> Any:

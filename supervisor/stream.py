@@ -15,7 +15,6 @@ import time
 from typing import Any, AsyncGenerator, AsyncIterator, Callable, Iterable
 
 from supervisor import logs, testhooks
-from executor.engine import logprob_token_strings
 from supervisor.admission import Admission
 from supervisor.carryover import Carryover
 from supervisor.continuation import NotContinuable
@@ -55,7 +54,7 @@ class Streams:
         text and logprobs' token strings after a seam as the first engine would make them)."""
         d = self.d
         req = Carryover(prompt, sampling_params, kwargs, request_id, self._detokenizer, self._tokenizer,
-                        logprob_token_strings, reasoning=bool(self._reasoning_parser()))
+                        reasoning=bool(self._reasoning_parser()))
         params = req.params
         seen_output = False
         hold_at = testhooks.hold_point(params) if self.test_hooks else None

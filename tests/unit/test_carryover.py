@@ -11,7 +11,7 @@ import pytest
 from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
 
-from executor.engine import logprob_token_strings, new_detokenizer
+from executor.engine import new_detokenizer
 from supervisor.carryover import Carryover
 from supervisor.continuation import NotContinuable
 from supervisor.demo_model import build_demo_model
@@ -52,7 +52,7 @@ def test_logprobs_are_carried_across_every_seam(tokenizer, kind):
     whole, whole_cumulative = reference_logprobs(tokenizer, positions)
     for k in range(1, len(ids)):
         req = Carryover({"prompt_token_ids": PROMPT}, copy.deepcopy(params), {}, "r",
-                        lambda p, sp, rid: new_detokenizer(tokenizer, p, sp, rid), lambda: tokenizer, logprob_token_strings)
+                        lambda p, sp, rid: new_detokenizer(tokenizer, p, sp, rid), lambda: tokenizer)
         assert req.next_request()[0].logprobs == 2
         read = [req.take(o) for o in engine_outputs(tokenizer, ids, params, positions)[:k]]
         sub, prompt, _ = req.next_request()  # the seam
@@ -70,7 +70,7 @@ def test_logprobs_are_carried_across_every_seam(tokenizer, kind):
 
 def test_flat_logprobs_are_refused_with_their_reason(tokenizer):
     params = SamplingParams(temperature=0, max_tokens=8, logprobs=1, flat_logprobs=True, output_kind=RequestOutputKind.DELTA)
-    req = Carryover({"prompt_token_ids": PROMPT}, params, {}, "r", None, lambda: tokenizer, logprob_token_strings)
+    req = Carryover({"prompt_token_ids": PROMPT}, params, {}, "r", None, lambda: tokenizer)
     req.ids, req.yielded = [9], True
     with pytest.raises(NotContinuable, match="flat logprobs"):
         req.next_request()
@@ -82,7 +82,7 @@ def test_structured_outputs_with_a_reasoning_parser_are_refused_and_run_again(to
     for kind in (RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY):
         params = SamplingParams(temperature=0, max_tokens=8, output_kind=kind,
                                 structured_outputs=StructuredOutputsParams(json_object=True))
-        req = Carryover({"prompt_token_ids": PROMPT}, params, {}, "r", None, lambda: tokenizer, logprob_token_strings,
+        req = Carryover({"prompt_token_ids": PROMPT}, params, {}, "r", None, lambda: tokenizer,
                         reasoning=True)
         assert not req.final_only  # not streamed: interrupted, it runs again from the start
         if kind is RequestOutputKind.FINAL_ONLY:
@@ -91,7 +91,7 @@ def test_structured_outputs_with_a_reasoning_parser_are_refused_and_run_again(to
             req.ids, req.yielded = [9], True
             with pytest.raises(NotContinuable, match="reasoning parser"):
                 req.next_request()
-        plain = Carryover({"prompt_token_ids": PROMPT}, params, {}, "r", None, lambda: tokenizer, logprob_token_strings)
+        plain = Carryover({"prompt_token_ids": PROMPT}, params, {}, "r", None, lambda: tokenizer)
         assert plain.final_only == (kind is RequestOutputKind.FINAL_ONLY)
 
 
@@ -105,6 +105,6 @@ def test_a_client_cannot_send_resume_ids_of_its_own(tokenizer):
     params = SamplingParams(temperature=0, max_tokens=8, output_kind=RequestOutputKind.DELTA,
                             structured_outputs=StructuredOutputsParams(json_object=True),
                             extra_args={RESUME_IDS_KEY: [1, 2, 3], "other": 1})
-    req = Carryover({"prompt_token_ids": PROMPT}, params, {}, "r", None, lambda: tokenizer, logprob_token_strings)
+    req = Carryover({"prompt_token_ids": PROMPT}, params, {}, "r", None, lambda: tokenizer)
     sub, _, _ = req.next_request()
     assert sub.extra_args == {"other": 1} and params.extra_args[RESUME_IDS_KEY] == [1, 2, 3]
