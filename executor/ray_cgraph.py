@@ -41,7 +41,7 @@ from vllm.platforms import current_platform
 from vllm.v1.executor.ray_utils import RayWorkerWrapper, build_actor_name
 
 from executor.reporting import CAUSE_MAX_CHARS, DeathReporter
-from executor import canary, resume, testhooks
+from executor import canary, history, resume, testhooks
 
 logger = logging.getLogger("vllm.supervisor.executor")
 
@@ -49,7 +49,12 @@ WATCH_S = 0.05  # how often the workers' liveness is read from the GCS actor tab
 
 
 class CpuRayWorkerWrapper(RayWorkerWrapper):
-    """The worker actor. On CPU, Ray assigns no accelerator ids."""
+    """The worker actor. On CPU, Ray assigns no accelerator ids. A continued request's past
+    counts in its sampler (``executor.history``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        history.install()
+        super().__init__(*args, **kwargs)
 
     def get_node_and_physical_gpu_ids(self) -> tuple[str, list[int]]:
         if current_platform.is_cpu():

@@ -32,7 +32,7 @@ import ray
 import vllm.v1.executor.ray_executor_v2 as _v2
 from vllm.platforms import current_platform
 
-from executor import canary, resume
+from executor import canary, history, resume
 from executor.reporting import CAUSE_MAX_CHARS, DeathReporter, Dead
 
 canary.bound_lost_wakeup()  # in the engine core and in every worker: both import this module
@@ -46,9 +46,13 @@ logger = logging.getLogger("vllm.supervisor.executor")
 class SupervisedRayWorkerProc(_v2.RayWorkerProc):
     """The worker actor. On CPU, Ray assigns no accelerator ids. After a step that held only
     the supervisor's idle canary it waits for the next step without spinning
-    (``executor.canary``)."""
+    (``executor.canary``). A continued request's past counts in its sampler (``executor.history``)."""
 
     _canary_step = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        history.install()  # a continued request's past counts in this worker's sampler
+        super().__init__(*args, **kwargs)
 
     def _execute_worker_rpc(self, rpc_request: tuple) -> None:
         super()._execute_worker_rpc(rpc_request)

@@ -3,7 +3,7 @@
 A new request waits for a serving generation in a bounded queue (``admission_queue_size``)
 up to ``admission_timeout_s``, else it is a 503; a parked request (its engine failed
 mid-stream) waits up to ``recovery_timeout_s``, else it fails. A stopping daemon refuses new
-requests at once.
+requests at once. A parked request that fails here raises ``RequestFailed``, counted by its stream.
 """
 
 from __future__ import annotations
@@ -63,7 +63,6 @@ class Admission:
         if (gen := d.pick(not_gen, parked, token_ids)) is not None:
             return gen
         if parked and (d.state.terminal or d.state is State.STOPPING):
-            d.count_outcome("failed")
             raise RequestFailed(f"daemon is {d.state.value} ({d.reason}); retry the request elsewhere")
         if not parked:
             self.refuse_new(self.waiting_new)
@@ -82,7 +81,6 @@ class Admission:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     if parked:
-                        d.count_outcome("failed")
                         raise RequestFailed(f"no engine within {timeout:g} s ({d.reason}); retry the request")
                     d.count_outcome("rejected")
                     raise EngineUnavailable(f"daemon is {d.state.value} ({d.reason}); no engine within {timeout:g} s")

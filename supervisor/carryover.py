@@ -1,9 +1,10 @@
 """One request's state across engine seams: what reached the client, and what the next engine
 needs to continue it exactly (``supervisor.continuation`` holds the pure steps).
 
-``Streams.run`` drives it: ``next_request`` gives the engine request of each attempt (the
-request as sent, or its continuation after a seam), ``take`` turns an engine output into what
-the client reads and records it, ``final`` makes the one answer of a non-streamed request. A new
+``Streams._choice`` drives it, one per choice of an ``n > 1`` request: ``next_request`` gives
+the engine request of each attempt (the request as sent, or its continuation after a seam),
+``take`` turns an engine output into what the client reads and records it, ``final`` makes the
+one answer of a non-streamed request. A new
 kind of request that needs state across a seam adds a field here and a step in
 ``continuation``, not another branch in the stream loop.
 """
@@ -18,22 +19,22 @@ from vllm.sampling_params import RequestOutputKind
 from executor.engine import logprob_token_strings
 from executor.resume import RESUME_IDS_KEY
 from supervisor.continuation import (
-    NotContinuable, SeamLogprobs, SeamText, continuation_input, continuation_params, why_not_continuable,
+    Engines, NotContinuable, SeamLogprobs, SeamText, continuation_input, continuation_params, why_not_continuable,
 )
 
 
 class Carryover:
     def __init__(self, prompt: Any, params: Any, kwargs: dict[str, Any], request_id: str,
-                 detokenizer: Callable[[list[int], Any, str], Any], tokenizer: Callable[[], Any], reasoning: bool = False):
+                 detokenizer: Callable[[list[int], Any, str], Any], tokenizer: Callable[[], Any],
+                 engines: Engines = Engines()):
         if RESUME_IDS_KEY in (params.extra_args or {}):  # only a continuation may set it (executor.resume)
             params = copy.copy(params)
             params.extra_args = {k: v for k, v in params.extra_args.items() if k != RESUME_IDS_KEY}
         # The front's non-streaming mode (FINAL_ONLY) runs as a stream and is answered with one
         # output at the end, so it continues mid-way too; one that cannot be continued runs as
         # asked and, interrupted, simply runs again (nothing was sent).
-        self.reasoning = reasoning  # the engines parse reasoning: a grammar's start is the parser's state
-        self.final_only = (params.output_kind == RequestOutputKind.FINAL_ONLY and params.n == 1
-                           and self._why_not(params) is None)
+        self.engines = engines  # what the serving engines carry across a seam
+        self.final_only = params.output_kind == RequestOutputKind.FINAL_ONLY and self._why_not(params) is None
         if self.final_only:
             params = copy.copy(params)
             params.output_kind = RequestOutputKind.DELTA
@@ -56,20 +57,18 @@ class Carryover:
         self._logprobs_seam: SeamLogprobs | None = None
 
     def _why_not(self, params: Any) -> str | None:
-        if self.reasoning and getattr(params, "structured_outputs", None) is not None:
-            return "structured outputs with a reasoning parser (where the reasoning ended is its state)"
-        return why_not_continuable(params)
+        return why_not_continuable(params, self.engines)
 
     def next_request(self) -> tuple[Any, Any, dict[str, Any]]:
         """(params, prompt, kwargs) for the next engine: the request as sent while nothing
         reached the client, else its continuation. Raises ``NotContinuable``."""
         if not self.yielded and not self.ids:
             return copy.deepcopy(self.pristine), self.prompt, self.kwargs
-        if not self.delta or self.params.n != 1:  # a FINAL_ONLY output is only yielded at the end
-            raise NotContinuable("n > 1" if self.params.n != 1 else f"output kind {self.params.output_kind.name}")
+        if not self.delta:  # a FINAL_ONLY output is only yielded at the end
+            raise NotContinuable(f"output kind {self.params.output_kind.name}")
         if (reason := self._why_not(self.pristine)) is not None:
             raise NotContinuable(reason)
-        sub = continuation_params(self.pristine, len(self.ids), self.ids)
+        sub = continuation_params(self.pristine, self.ids, self.engines)
         engine_prompt = continuation_input(self.prompt, self.prompt_ids or [], self.ids)
         kw = {k: v for k, v in self.kwargs.items() if k not in ("prompt_text", "tokenization_kwargs")}
         if self._text_seam is None:

@@ -5,7 +5,7 @@ the same sampling parameters, and the text across the seam. Pure logic over vLLM
 from __future__ import annotations
 
 import copy
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from executor.resume import RESUME_IDS_KEY
@@ -25,31 +25,62 @@ def continuation_input(prompt: Any, prompt_ids: list[int], delivered: list[int])
     return out
 
 
-def why_not_continuable(params: Any) -> str | None:
-    """The reason a request with ``params`` cannot be continued token-exactly, or None."""
+@dataclass(frozen=True)
+class Engines:
+    """What the serving engines do that continuing a request depends on (read from their config)."""
+
+    reasoning: bool = False  # a --reasoning-parser: where the reasoning ended is the parser's state
+    history: str | None = None  # why their workers do not carry a request's past (None: they do)
+    replay: str | None = None  # why a seeded random stream is not replayed there (None: it is)
+
+
+def why_not_continuable(params: Any, engines: Engines = Engines()) -> str | None:
+    """The reason a request with ``params`` cannot be continued exactly on ``engines``, or None.
+
+    A continued request's past on the failed engine is carried into the new one: the grammar
+    of a structured output (``executor.resume``), the tokens penalties and ``bad_words`` count
+    and a seeded random stream (``executor.history``)."""
     if getattr(params, "n", 1) != 1:
-        return "n > 1"
-    if (params.presence_penalty or 0) != 0 or (params.frequency_penalty or 0) != 0:
-        return "presence/frequency penalties count only generated tokens"
+        return "n > 1"  # (Streams runs each choice of such a request as a stream of its own)
+    if engines.history is not None:
+        if (params.presence_penalty or 0) != 0 or (params.frequency_penalty or 0) != 0:
+            return f"presence/frequency penalties: {engines.history}"
+        if getattr(params, "bad_words", None):
+            return f"bad_words: {engines.history}"
     if getattr(params, "seed", None) is not None and (params.temperature or 0) > 0:
-        return "seeded sampling cannot resume its random stream"
+        if engines.replay is not None or engines.history is not None:
+            return f"seeded sampling: {engines.replay or engines.history}"
     if getattr(params, "logprobs", None) is not None and getattr(params, "flat_logprobs", False):
         return "flat logprobs are not continued"
-    if getattr(params, "bad_words", None):
-        return "bad_words are matched against generated tokens only (one could straddle the resume point)"
+    if engines.reasoning and getattr(params, "structured_outputs", None) is not None:
+        return "structured outputs with a reasoning parser (where the reasoning ended is its state)"
     return None
 
 
-def continuation_params(params: Any, delivered: int, delivered_ids: list[int] | None = None) -> Any:
-    """``params`` for the rest of a request after ``delivered`` tokens reached the client
-    (``delivered_ids``: those tokens, for a structured-output request's grammar).
+def child_params(params: Any, index: int) -> Any:
+    """Choice ``index`` of an ``n > 1`` request, as vLLM's ``ParentRequest`` makes it: ``n = 1``
+    and, when seeded, ``seed + index``."""
+    child = copy.copy(params)
+    child.n = 1
+    if params.seed is not None:
+        child.seed = params.seed + index
+    return child
+
+
+def continuation_params(params: Any, delivered_ids: list[int], engines: Engines = Engines()) -> Any:
+    """``params`` for the rest of a request after ``delivered_ids`` reached the client.
+
+    The delivered tokens travel in ``extra_args[RESUME_IDS_KEY]``: the new engine's grammar
+    accepts them before its first step (``executor.resume``) and its workers count them as the
+    request's past (``executor.history``).
 
     After a seam the new engine produces token ids only: stop strings are checked and the
     text is made by a ``SeamText`` that has seen the whole sequence, so the engine neither
     detokenizes nor looks for stop strings (its detokenizer would start cold at the seam)."""
+    delivered = len(delivered_ids)
     if delivered == 0:
         return copy.deepcopy(params)  # the engine may have mutated the one it was given
-    reason = why_not_continuable(params)
+    reason = why_not_continuable(params, engines)
     if reason:
         raise NotContinuable(reason)
     remaining = params.max_tokens - delivered
@@ -62,11 +93,7 @@ def continuation_params(params: Any, delivered: int, delivered_ids: list[int] | 
     sub.prompt_logprobs = None  # delivered with the first output; the prompt is now longer
     sub.output_text_buffer_length = 0
     sub.detokenize = False
-    if getattr(params, "structured_outputs", None) is not None:
-        # the new engine's grammar accepts the delivered tokens before its first step (executor.resume)
-        if delivered_ids is None or len(delivered_ids) != delivered:
-            raise NotContinuable("a structured-output request needs its delivered tokens")
-        sub.extra_args = {**(params.extra_args or {}), RESUME_IDS_KEY: list(delivered_ids)}
+    sub.extra_args = {**(params.extra_args or {}), RESUME_IDS_KEY: list(delivered_ids)}
     return sub
 
 

@@ -26,7 +26,9 @@ from vllm.v1.engine.exceptions import EngineDeadError
 
 from executor.canary import CANARY_PREFIX
 from executor.engine import new_detokenizer  # vLLM's own (vLLM internals stay in executor/)
+from executor.history import history_refusal, replay_refusal
 from supervisor.admission import Admission
+from supervisor.continuation import Engines
 from supervisor.dispatch import Dispatcher
 from supervisor.generation import EngineUnavailable, Generation
 from supervisor.states import State
@@ -44,6 +46,7 @@ class SupervisedEngineClient(EngineClient):
         self.input_processor: Any = None
         self.tokenizer: Any = None
         self.supported_tasks: tuple[str, ...] = ()
+        self.engines = Engines()  # what the serving engines carry across a seam (set by attach())
         self.config_version = 0  # +1 per attach(): the HTTP front rebuilds vLLM's app on a change
         self.epoch = 0  # the engine arguments (EngineBuilder.config_epoch) of the engine it attached to
         # Builds the detokenizer a seam continues the text with: (tokenizer, prompt ids, params,
@@ -60,7 +63,7 @@ class SupervisedEngineClient(EngineClient):
         self.admission = Admission(dispatcher)
         self.streams = Streams(dispatcher, self.admission,
                                lambda ids, params, rid: self.new_detokenizer(self.tokenizer, ids, params, rid),
-                               lambda: self.tokenizer, self._reasoning_parser)
+                               lambda: self.tokenizer, lambda: self.engines)
 
     # what the daemon's status, metrics and drain read
     in_flight = property(lambda self: self.streams.in_flight)
@@ -70,10 +73,12 @@ class SupervisedEngineClient(EngineClient):
     waiting_new = property(lambda self: self.admission.waiting_new)  # new requests queued for admission
     parked = property(lambda self: self.admission.parked)  # in-flight requests waiting for the next generation
 
-    def _reasoning_parser(self) -> str:
-        """The engines' ``--reasoning-parser`` ("" without one)."""
-        config = getattr(self.vllm_config, "structured_outputs_config", None)
-        return getattr(config, "reasoning_parser", "") or ""
+    @staticmethod
+    def _carried(vllm_config: Any) -> Engines:
+        """What engines of ``vllm_config`` carry across a seam (``supervisor.continuation``)."""
+        config = getattr(vllm_config, "structured_outputs_config", None)
+        return Engines(reasoning=bool(getattr(config, "reasoning_parser", "")),
+                       history=history_refusal(vllm_config), replay=replay_refusal(vllm_config))
 
     def attach(self, engine: Any, tasks: tuple[str, ...], front: tuple[Any, Any], epoch: int = 0) -> None:
         """Take the model config and tasks of the first engine (and again after a reload
@@ -86,6 +91,7 @@ class SupervisedEngineClient(EngineClient):
         self.renderer, self.input_processor = front
         self.tokenizer = self.renderer.get_tokenizer()
         self.supported_tasks = tuple(tasks)
+        self.engines = self._carried(engine.vllm_config)
         self.config_version += 1
         if old is not None and old is not self.renderer and hasattr(old, "shutdown"):
             old.shutdown()

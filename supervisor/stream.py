@@ -14,10 +14,12 @@ import asyncio
 import time
 from typing import Any, AsyncGenerator, AsyncIterator, Callable, Iterable
 
+from vllm.sampling_params import RequestOutputKind
+
 from supervisor import logs, testhooks
 from supervisor.admission import Admission
 from supervisor.carryover import Carryover
-from supervisor.continuation import NotContinuable
+from supervisor.continuation import Engines, NotContinuable, child_params
 from supervisor.dispatch import Dispatcher
 from supervisor.generation import Generation, Interrupted, RequestFailed, is_engine_death
 from supervisor.states import State
@@ -27,6 +29,26 @@ log = logs.get_logger("vllm_supervisor.requests")
 _END = object()
 
 
+class _Timing:
+    """One client request's latency metrics: time to its first output, between outputs (per
+    token), and the most attempts any of its choices took."""
+
+    def __init__(self, metrics: Any):
+        self.m = metrics
+        self.arrived = self.last = time.monotonic()
+        self.seen = False
+        self.attempts = 0
+
+    def output(self, tokens: int) -> None:
+        now = time.monotonic()
+        if not self.seen:
+            self.seen = True
+            self.m.ttft.observe(now - self.arrived)
+        elif tokens:
+            self.m.itl.observe((now - self.last) / tokens)
+        self.last = now
+
+
 class Streams:
     """The streams of one request path (``SupervisedEngineClient``). ``detokenizer(prompt_ids,
     params, request_id)`` builds the incremental detokenizer a seam continues the text with;
@@ -34,101 +56,155 @@ class Streams:
 
     def __init__(self, dispatcher: Dispatcher, admission: Admission,
                  detokenizer: Callable[[list[int], Any, str], Any], tokenizer: Callable[[], Any],
-                 reasoning_parser: Callable[[], str] = lambda: ""):
+                 engines: Callable[[], Engines] = Engines):
         self.d = dispatcher
         self.admission = admission
         self._detokenizer = detokenizer
         self._tokenizer = tokenizer
-        self._reasoning_parser = reasoning_parser  # the engines' --reasoning-parser ("" without)
+        self._engines = engines  # what the serving engines carry across a seam
         self.in_flight = 0
         self.held = 0  # streams stopped by the test hook
         self.test_hooks = testhooks.enabled()  # False in production
         self.idle = asyncio.Event()
         self.idle.set()
-        self._live: dict[str, tuple[Generation, str]] = {}  # client request id -> (generation, engine id)
+        # client request id -> {choice id: (generation, engine request id)}
+        self._live: dict[str, dict[str, tuple[Generation, str]]] = {}
 
     async def run(self, prompt: Any, sampling_params: Any, request_id: str,
                   kwargs: dict[str, Any]) -> AsyncGenerator[Any, None]:
         """Stream ``RequestOutput``s; across a recovery the stream continues on the next
-        engine with prompt + delivered tokens (``Carryover``: what the client read, and the
-        text and logprobs' token strings after a seam as the first engine would make them)."""
-        d = self.d
-        req = Carryover(prompt, sampling_params, kwargs, request_id, self._detokenizer, self._tokenizer,
-                        reasoning=bool(self._reasoning_parser()))
-        params = req.params
-        seen_output = False
-        hold_at = testhooks.hold_point(params) if self.test_hooks else None
-        attempt = 0
-        dead: Generation | None = None  # the generation this request last saw fail
-        arrived = last = time.monotonic()
-        m = d.metrics
+        engine with prompt + delivered tokens. ``n > 1`` runs as ``n`` choices of one token
+        stream each, as vLLM's own ``ParentRequest`` splits it, so each is continued alone."""
         n_prompt = len(prompt.get("prompt_token_ids") or ()) if isinstance(prompt, dict) else None
-        log.info("request", request_id=request_id, prompt_tokens=n_prompt, max_tokens=params.max_tokens,
-                 n=params.n, output_kind=params.output_kind.name)
+        log.info("request", request_id=request_id, prompt_tokens=n_prompt, max_tokens=sampling_params.max_tokens,
+                 n=sampling_params.n, output_kind=sampling_params.output_kind.name)
         self.admission.claim_reservation()
         self.in_flight += 1
         self.idle.clear()
+        timing = _Timing(self.d.metrics)
         try:
-            while True:
-                route_ids = req.prompt_ids or (prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None)
-                gen = await self.admission.admit(parked=attempt > 0, not_gen=dead, token_ids=route_ids)
-                try:
-                    sub, engine_prompt, kw = req.next_request()
-                except NotContinuable as exc:
-                    d.count_outcome("failed")
-                    raise RequestFailed(f"request interrupted by an engine failure and cannot be continued exactly ({exc}); retry it") from None
-                rid = request_id if attempt == 0 else f"{request_id}-c{attempt}"
-                stream = self.pump(gen, engine_prompt, sub, rid, kw, client_id=request_id)
-                try:
-                    async for out in stream:
-                        out = req.take(out)
-                        ids = out.outputs[0].token_ids
-                        now = time.monotonic()
-                        if not seen_output:
-                            seen_output = True
-                            m.ttft.observe(now - arrived)
-                        elif ids:
-                            m.itl.observe((now - last) / len(ids))
-                        last = now
-                        if req.final_only and out.finished:  # one output at the end, as the front asked
-                            out = req.final(out)
-                        if out.finished or not req.final_only:
-                            req.yielded = True
-                            yield out
-                        if out.finished:
-                            break  # a stop string found across the seam ends the request here
-                        if hold_at is not None and attempt == 0:
-                            await self._maybe_hold(gen, req.ids, *hold_at)
-                    m.e2e.observe(time.monotonic() - arrived)
-                    d.count_outcome("continued" if attempt else "ok")
-                    log.info("request done", request_id=request_id, attempts=attempt + 1,
-                             delivered_tokens=len(req.ids) if req.delta else None)
-                    return
-                except Interrupted:
-                    pass
-                except Exception as exc:
-                    if not is_engine_death(exc, gen):
-                        raise
-                    d.engine_died(gen, f"{type(exc).__name__}: {exc}")
-                finally:
-                    await stream.aclose()
-                dead = gen  # the owner may not have marked it failed yet: never re-admit to it
-                attempt += 1
-                if attempt > d.cfg.continuation_limit:
-                    d.count_outcome("failed")
-                    raise RequestFailed(f"request interrupted {attempt} times by engine failures (limit {d.cfg.continuation_limit}); retry it")
-                log.info("request parked", request_id=request_id, delivered_tokens=len(req.ids), attempt=attempt)
+            if sampling_params.n == 1:
+                outputs = self._choice(prompt, sampling_params, request_id, kwargs, timing)
+            else:
+                outputs = self._choices(prompt, sampling_params, request_id, kwargs, timing)
+            try:
+                async for out in outputs:
+                    yield out
+            except RequestFailed:
+                self.d.count_outcome("failed")
+                raise
+            finally:
+                await outputs.aclose()
+            self.d.metrics.e2e.observe(time.monotonic() - timing.arrived)
+            self.d.count_outcome("continued" if timing.attempts else "ok")
         finally:
             self.in_flight -= 1
             if self.in_flight == 0:
                 self.idle.set()
 
+    async def _choices(self, prompt: Any, params: Any, request_id: str, kwargs: dict[str, Any],
+                       timing: "_Timing") -> AsyncGenerator[Any, None]:
+        """``n > 1``: each choice as a request of its own (``n = 1``, ``seed + index``, vLLM's
+        child parameters), merged as vLLM's ``ParentRequest`` merges them: streamed, each
+        output as it comes, finished with the last choice; not streamed, one output with the
+        ``n`` final ones."""
+        n, final_only = params.n, params.output_kind == RequestOutputKind.FINAL_ONLY
+        queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+        async def drive(index: int) -> None:
+            try:
+                async for out in self._choice(prompt, child_params(params, index), f"{index}_{request_id}",
+                                              kwargs, timing, client_id=request_id):
+                    queue.put_nowait((index, out))
+            except BaseException as exc:  # noqa: BLE001 (handed to the reader)
+                queue.put_nowait((index, exc))
+                return
+            queue.put_nowait((index, _END))
+
+        tasks = [asyncio.create_task(drive(i), name=f"{i}_{request_id}") for i in range(n)]
+        finals: list[Any] = [None] * n
+        try:
+            running = n
+            while running:
+                index, out = await queue.get()
+                if out is _END:
+                    running -= 1
+                    continue
+                if isinstance(out, BaseException):
+                    raise out
+                out.request_id = request_id
+                out.outputs[0].index = index
+                if out.finished:
+                    finals[index] = out.outputs[0]
+                out.finished = all(c is not None for c in finals)
+                if not final_only:
+                    yield out
+                elif out.finished:
+                    out.outputs = list(finals)
+                    yield out
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _choice(self, prompt: Any, sampling_params: Any, request_id: str, kwargs: dict[str, Any],
+                      timing: "_Timing", client_id: str | None = None) -> AsyncGenerator[Any, None]:
+        """One token stream (``n = 1``) across engine failures (``Carryover``: what the client
+        read, and the text and logprobs' token strings after a seam as the first engine would
+        make them). ``client_id``: the client's request id (``request_id`` is a choice's)."""
+        d = self.d
+        req = Carryover(prompt, sampling_params, kwargs, request_id, self._detokenizer, self._tokenizer,
+                        self._engines())
+        hold_at = testhooks.hold_point(req.params) if self.test_hooks else None
+        attempt = 0
+        dead: Generation | None = None  # the generation this request last saw fail
+        client_id = client_id or request_id
+        while True:
+            route_ids = req.prompt_ids or (prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None)
+            gen = await self.admission.admit(parked=attempt > 0, not_gen=dead, token_ids=route_ids)
+            try:
+                sub, engine_prompt, kw = req.next_request()
+            except NotContinuable as exc:
+                raise RequestFailed(f"request interrupted by an engine failure and cannot be continued exactly ({exc}); retry it") from None
+            rid = request_id if attempt == 0 else f"{request_id}-c{attempt}"
+            stream = self.pump(gen, engine_prompt, sub, rid, kw, client_id=client_id, choice=request_id)
+            try:
+                async for out in stream:
+                    out = req.take(out)
+                    timing.output(len(out.outputs[0].token_ids))
+                    if req.final_only and out.finished:  # one output at the end, as the front asked
+                        out = req.final(out)
+                    if out.finished or not req.final_only:
+                        req.yielded = True
+                        yield out
+                    if out.finished:
+                        break  # a stop string found across the seam ends the request here
+                    if hold_at is not None and attempt == 0:
+                        await self._maybe_hold(gen, req.ids, *hold_at)
+                log.info("request done", request_id=request_id, attempts=attempt + 1,
+                         delivered_tokens=len(req.ids) if req.delta else None)
+                return
+            except Interrupted:
+                pass
+            except Exception as exc:
+                if not is_engine_death(exc, gen):
+                    raise
+                d.engine_died(gen, f"{type(exc).__name__}: {exc}")
+            finally:
+                await stream.aclose()
+            dead = gen  # the owner may not have marked it failed yet: never re-admit to it
+            attempt += 1
+            timing.attempts = max(timing.attempts, attempt)
+            if attempt > d.cfg.continuation_limit:
+                raise RequestFailed(f"request interrupted {attempt} times by engine failures (limit {d.cfg.continuation_limit}); retry it")
+            log.info("request parked", request_id=request_id, delivered_tokens=len(req.ids), attempt=attempt)
+
     async def abort(self, request_ids: Iterable[str]) -> None:
         """Abort on whichever generation holds each request now."""
         for rid in request_ids:
-            held = self._live.get(rid)
-            if held is not None and held[0].engine is not None and not held[0].failed:
-                await held[0].engine.abort(held[1])
+            for gen, engine_id in list(self._live.get(rid, {}).values()):
+                if gen.engine is not None and not gen.failed:
+                    await gen.engine.abort(engine_id)
 
     async def _maybe_hold(self, gen: Generation, delivered: list[int], after: int, midchar: bool = True) -> None:
         """Test hook (``supervisor.testhooks``): stop a first-engine stream, once ``after`` tokens
@@ -148,11 +224,13 @@ class Streams:
             raise Interrupted()
 
     async def pump(self, gen: Generation, prompt: Any, params: Any, request_id: str,
-                   kwargs: dict[str, Any] | None = None, client_id: str | None = None) -> AsyncIterator[Any]:
+                   kwargs: dict[str, Any] | None = None, client_id: str | None = None,
+                   choice: str | None = None) -> AsyncIterator[Any]:
         """Run the engine's stream in a task of its own, so a recovery can interrupt it
         (a hung engine never raises by itself)."""
         queue: asyncio.Queue[Any] = asyncio.Queue()
         client_id = client_id or request_id
+        choice = choice or client_id
 
         async def pump() -> None:
             try:
@@ -170,7 +248,7 @@ class Streams:
             raise Interrupted()
         task = asyncio.create_task(pump(), name=request_id)  # the hang check tells the canary by its id
         gen.pumps[task] = (time.monotonic(), queue)
-        self._live[client_id] = (gen, request_id)
+        self._live.setdefault(client_id, {})[choice] = (gen, request_id)
         try:
             while True:
                 item = await queue.get()
@@ -181,8 +259,11 @@ class Streams:
                 yield item
         finally:
             gen.pumps.pop(task, None)
-            if self._live.get(client_id, (None, None))[1] == request_id:
-                del self._live[client_id]
+            live = self._live.get(client_id, {})
+            if live.get(choice, (None, None))[1] == request_id:
+                del live[choice]
+                if not live:
+                    del self._live[client_id]
             if not task.done():
                 task.cancel()
                 gen.lingering.add(task)

@@ -13,7 +13,7 @@ from vllm.sampling_params import RequestOutputKind
 
 from executor.engine import new_detokenizer
 from supervisor.carryover import Carryover
-from supervisor.continuation import NotContinuable
+from supervisor.continuation import Engines, NotContinuable
 from supervisor.demo_model import build_demo_model
 from tests.unit.test_seam_text import reference_logprobs
 
@@ -83,7 +83,7 @@ def test_structured_outputs_with_a_reasoning_parser_are_refused_and_run_again(to
         params = SamplingParams(temperature=0, max_tokens=8, output_kind=kind,
                                 structured_outputs=StructuredOutputsParams(json_object=True))
         req = Carryover({"prompt_token_ids": PROMPT}, params, {}, "r", None, lambda: tokenizer,
-                        reasoning=True)
+                        Engines(reasoning=True))
         assert not req.final_only  # not streamed: interrupted, it runs again from the start
         if kind is RequestOutputKind.FINAL_ONLY:
             assert req.next_request()[1] == {"prompt_token_ids": PROMPT}

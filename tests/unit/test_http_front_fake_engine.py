@@ -46,7 +46,8 @@ def demo_front():
 
 class FakeEngine:
     """Speaks ``AsyncLLM``'s language to vLLM's front: real ``RequestOutput``s, delta or
-    final-only; deterministic over the whole context."""
+    final-only, ``n = 1`` (the supervisor splits ``n > 1``); deterministic over the whole
+    context and the seed."""
 
     def __init__(self, vllm_config, tokenizer, step_s=0.005):
         self.vllm_config, self.model_config, self.tokenizer = vllm_config, vllm_config.model_config, tokenizer
@@ -84,7 +85,7 @@ class FakeEngine:
             await asyncio.sleep(self.step_s)
             if self.dead.is_set():
                 raise EngineDeadError()
-            ctx.append(SAFE[(sum(ctx) * 31 + len(ctx)) % len(SAFE)])
+            ctx.append(SAFE[(sum(ctx) * 31 + len(ctx) + (params.seed or 0)) % len(SAFE)])
             done = "length" if i == params.max_tokens - 1 else None
             if not delta and not done:
                 continue
@@ -231,13 +232,17 @@ def test_parked_stream_past_recovery_timeout_ends_with_an_error_event(tmp_path):
 
 
 def test_a_request_that_cannot_be_continued_ends_with_a_clear_retriable_error(tmp_path):
-    """Streamed with a presence penalty, cut mid-stream: a clear retriable error. The same
-    request not streamed has delivered nothing when cut: it simply runs again."""
+    """On engines whose workers do not carry a request's past (the ``mp`` executor's), a
+    streamed request with a presence penalty cut mid-stream ends with a clear retriable error.
+    The same request not streamed has delivered nothing when cut: it simply runs again."""
+    from supervisor.continuation import Engines
+
     async def scenario():
         sup, owner, client = await started(tmp_path)
+        sup.client.engines = Engines(history="the mp executor's workers do not carry a continued request's past")
         body = {"prompt": "abc", "max_tokens": 40, "presence_penalty": 0.5}
         text, error = await read_stream(client, body, on_tokens=lambda n: n == 5 and kill(sup))
-        assert error and "cannot be continued exactly" in error["message"] and "penalties" in error["message"]
+        assert error and "cannot be continued exactly" in error["message"] and "penalties: the mp executor" in error["message"]
         await wait_for(lambda: sup.state is State.READY and sup.generation_number == 2)
         # Not streamed, nothing was delivered when the engine died: it runs again, exactly.
         reference = (await client.post("/v1/completions", json={**body, "temperature": 0})).json()
@@ -248,6 +253,51 @@ def test_a_request_that_cannot_be_continued_ends_with_a_clear_retriable_error(tm
         r = await whole
         assert r.status_code == 200 and sup.generation_number == 3, r.text
         assert r.json()["choices"] == reference["choices"] and r.json()["usage"] == reference["usage"]
+        await finish(sup, owner, client)
+
+    run(scenario())
+
+
+def test_each_choice_of_n_is_continued_on_its_own(tmp_path):
+    """``n = 3`` with a seed, streamed and not, cut mid-stream: every choice reads what a
+    fault-free run reads (each its own seed + index), the request is counted once."""
+    async def choices(client, body, on_chunk=None):
+        if not body.get("stream"):
+            r = (await client.post("/v1/completions", json=body)).json()
+            return {c["index"]: (c["text"], c["finish_reason"]) for c in r["choices"]}, r["usage"]
+        text, finish, usage, chunks = {}, {}, None, 0
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    event = json.loads(line[6:])
+                    assert "error" not in event, event
+                    for c in event["choices"]:
+                        text[c["index"]] = text.get(c["index"], "") + c["text"]
+                        finish[c["index"]] = c["finish_reason"] or finish.get(c["index"])
+                        chunks += 1
+                        if on_chunk:
+                            on_chunk(chunks)
+                    usage = event.get("usage") or usage
+        return {i: (text[i], finish[i]) for i in text}, usage
+
+    async def scenario():
+        sup, owner, client = await started(tmp_path)
+        for stream in (True, False):
+            body = {"prompt": "abc", "max_tokens": 30, "n": 3, "seed": 5, "temperature": 0.8, "stream": stream,
+                    "stream_options": {"include_usage": True} if stream else None}
+            reference = await choices(client, body)
+            assert len({t for t, _ in reference[0].values()}) == 3  # each choice its own seed
+            generation = sup.generation_number
+            if stream:
+                got = await choices(client, body, on_chunk=lambda n: n == 20 and kill(sup))
+            else:
+                whole = asyncio.create_task(choices(client, body))
+                await wait_for(lambda: len(sup.replicas[0].current.pumps) == 3)
+                await asyncio.sleep(0.05)
+                kill(sup)
+                got = await whole
+            assert got == reference and sup.generation_number == generation + 1
+        assert sup.outcomes["continued"] == 2 and sup.outcomes["failed"] == 0, sup.outcomes
         await finish(sup, owner, client)
 
     run(scenario())

@@ -53,7 +53,7 @@ def seamed_stream(tok, prompt, ids, params, seams):
     if first and first[-1][2]:
         return out
     for k, end in zip(seams, seams[1:] + [len(ids)]):
-        sub = continuation_params(params, len(delivered))
+        sub = continuation_params(params, delivered)
         assert sub.stop == [] and not sub.detokenize  # the new engine makes ids only
         if seam is None:
             seam = SeamText(new_detokenizer(tok, prompt, params, "r-c"), delivered, "".join(x[0] for x in out))
