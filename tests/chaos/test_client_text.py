@@ -111,23 +111,19 @@ def test_two_kills_per_round_client_text_equals_a_fault_free_run(daemon, ray_hea
           f"in flight at the second: {info['in_flight_at_second']}, continued: {continued}, text mismatches: 0")
 
 
-def test_continuation_limit_and_non_continuable_requests_through_real_kills(daemon, ray_head):
-    """Three kills under the same requests with ``continuation_limit = 2``: a streamed request
-    with a presence penalty cannot be continued exactly and ends at the first kill with a
-    clear retriable error event; the same request not streamed has sent nothing, so it runs
-    again after each kill; every request is interrupted a third time and ends with an error
-    (an error event when streamed, 503 when not)."""
+def test_continuation_limit_through_real_kills(daemon, ray_head):
+    """Three kills under the same requests with ``continuation_limit = 2``: every request, with
+    a presence penalty or without, streamed or not, is continued twice and interrupted a third
+    time, and ends with an error (an error event when streamed, 503 when not)."""
     long = 900
     requests = specs(4, long, mixed=False, hold=HOLD_AFTER)
     requests[1].stream = requests[3].stream = False
-    penalized = {2, 3}
-    for i in penalized:
+    for i in (2, 3):
         requests[i].extra = {"presence_penalty": 0.5}
     before = daemon.status()["generation"]
 
-    def all_held() -> bool:  # the non-streamed penalized request runs as asked: it is never held
-        s = daemon.status()
-        return s["test_held"] == 3
+    def all_held() -> bool:
+        return daemon.status()["test_held"] == 4
 
     def three_kills() -> dict:
         for k in range(3):
@@ -142,10 +138,7 @@ def test_continuation_limit_and_non_continuable_requests_through_real_kills(daem
     daemon.wait_generation(before + 3, timeout_s=240)
     for r in records:
         assert r.outcome == "error", (r.index, r.finish_reason, len(r.token_ids))
-        if r.index in penalized and r.stream:
-            assert "cannot be continued exactly" in r.error and "penalties" in r.error, r.error
-        else:
-            assert "interrupted 3 times" in r.error and "limit 2" in r.error, r.error
+        assert "interrupted 3 times" in r.error and "limit 2" in r.error, r.error
         if not r.stream:
             assert r.status == 503, r
         else:
@@ -166,12 +159,14 @@ FEATURES = [
     ("/v1/responses", {"input": "Tell me a story", "temperature": 0, "max_output_tokens": 240}, "exact"),
     ("/v1/completions", {"prompt": "The quick", "logprobs": 1, "ignore_eos": True, **LONG}, "exact"),  # not streamed: continued
     ("/v1/completions", {"prompt": "The quick", "n": 2, "seed": 5, "temperature": 0.8, "max_tokens": 240,
-                         "ignore_eos": True}, "exact"),  # not streamed: runs again
+                         "ignore_eos": True}, "exact"),  # not streamed: each choice continued
     ("/v1/completions", {"prompt": "The quick", "logprobs": 2, "stream": True, "ignore_eos": True, **LONG}, "exact"),
     ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 2, "stream": True,
                               "ignore_eos": True, **LONG}, "exact"),
     ("/v1/completions", {"prompt": "The quick", "n": 2, "seed": 5, "temperature": 0.8, "max_tokens": 240,
-                         "stream": True, "ignore_eos": True}, "error"),
+                         "stream": True, "ignore_eos": True}, "exact"),
+    ("/v1/chat/completions", {"messages": CHAT, "n": 2, "seed": 11, "temperature": 0.6, "max_tokens": 240,
+                              "stream": True, "ignore_eos": True, "logprobs": True}, "exact"),
 ]
 
 
@@ -242,18 +237,19 @@ def assert_logprobs_close(got: dict, ref: dict, where) -> None:
 def run_features(daemon, features: list, hold: bool, fault=None, never_held: int = 0, hold_xargs=None) -> list[dict]:
     """Every request of ``features`` at once, as a client reads it; with ``fault``: once all of
     them (but the ``never_held`` not-streamed ones that run again) are held by the test hook
-    mid-character, ``fault`` runs."""
+    (``hold_xargs``: one for all, or one per request; by default mid-character), ``fault`` runs."""
     import httpx
 
     async def run_all() -> list[dict]:
         async with httpx.AsyncClient(base_url=daemon.base_url, timeout=600) as client:
-            tasks = [asyncio.create_task(read_answer(client, p, {**b, **((hold_xargs or HOLD) if hold else {})}))
-                     for p, b, _ in features]
+            holds = hold_xargs if isinstance(hold_xargs, list) else [hold_xargs or HOLD] * len(features)
+            tasks = [asyncio.create_task(read_answer(client, p, {**b, **(h if hold else {})}))
+                     for (p, b, _), h in zip(features, holds)]
             if fault is not None:
                 deadline = time.monotonic() + 120
                 while True:
                     s = await asyncio.to_thread(daemon.status)
-                    if s["test_held"] == len(features) - never_held:
+                    if s["test_held"] == sum(b.get("n", 1) for _, b, _ in features) - never_held:  # a hold per choice
                         break
                     assert time.monotonic() < deadline and not all(t.done() for t in tasks), s
                     await asyncio.sleep(0.05)
@@ -263,14 +259,20 @@ def run_features(daemon, features: list, hold: bool, fault=None, never_held: int
     return asyncio.run(run_all())
 
 
-def check_features_across_a_kill(daemon, ray_head, features: list, never_held: int = 0, hold_xargs=None) -> None:
+def check_features_across_a_kill(daemon, ray_head, features: list, never_held: int = 0, hold_xargs=None,
+                                 fault=None, reason: str = "worker_death") -> None:
+    """Each request of ``features``, fault-free and then through ``fault`` (by default a
+    ``ray.kill`` of rank 0's worker) with every request held (``hold_xargs``), reads what its
+    fault-free run read: text, tool calls, finish reasons, logprob tokens, usage, logprobs
+    within 1e-3; or, ``"error"``, a retriable error event after what was delivered."""
     reference = run_features(daemon, features, hold=False)
-    assert all(r["status"] == 200 and r["error"] is None for r in reference), reference
+    failed = [(f[:2], r["status"], r["error"]) for f, r in zip(features, reference) if r["status"] != 200 or r["error"]]
+    assert not failed, failed
     before = daemon.status()
-    got = run_features(daemon, features, hold=True, fault=lambda: inject.kill_worker(ray_head.address, rank=0),
+    got = run_features(daemon, features, hold=True, fault=fault or (lambda: inject.kill_worker(ray_head.address, rank=0)),
                        never_held=never_held, hold_xargs=hold_xargs)
     after = daemon.wait_generation(before["generation"] + 1, timeout_s=240)
-    assert after["restarts"].get("worker_death", 0) > before["restarts"].get("worker_death", 0)
+    assert after["restarts"].get(reason, 0) > before["restarts"].get(reason, 0), (before["restarts"], after["restarts"])
     for (path, body, expect), ref, r in zip(features, reference, got):
         where = (path, sorted(body))
         if expect == "exact":
@@ -287,9 +289,9 @@ def test_vllm_front_features_across_a_kill(daemon, ray_head):
     """What vLLM's front accepts, through a ``ray.kill`` with every request held mid-character
     (the test hook): echo, tool calls (``--tool-call-parser hermes``), the Responses API
     (streamed and not), logprobs and top logprobs (completions and chat, streamed and not: tokens
-    exact, values within 1e-3) and, not streamed, ``n = 2`` read exactly what a fault-free run
-    reads; streamed ``n = 2`` ends with a retriable error."""
-    check_features_across_a_kill(daemon, ray_head, FEATURES, never_held=1)  # the not-streamed n = 2 runs again
+    exact, values within 1e-3) and seeded ``n = 2`` (completions and chat, streamed and not:
+    each choice continued on its own) read exactly what a fault-free run reads."""
+    check_features_across_a_kill(daemon, ray_head, FEATURES)
 
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "note": {"type": "string"}}, "required": ["city", "note"]}
@@ -315,6 +317,89 @@ def test_structured_outputs_across_a_kill(daemon, ray_head):
     print("\nreference lengths:", [(len(r["text"].get(0, "")), len(r["tools"].get(0, ""))) for r in reference])
     # JSON output may never split a character: held after its 6th token instead
     check_features_across_a_kill(daemon, ray_head, STRUCTURED, hold_xargs={"vllm_xargs": {"supervisor_test_hold_after": 6}})
+
+
+# Requests whose past on the failed engine its workers carry into the new one (executor.history)
+PAST = [
+    ("/v1/completions", {"prompt": "The quick", "presence_penalty": 0.6, "frequency_penalty": 0.4, "stream": True,
+                         "ignore_eos": True, **LONG}, "exact"),
+    ("/v1/chat/completions", {"messages": CHAT, "frequency_penalty": 0.8, "repetition_penalty": 1.2, "stream": True,
+                              "ignore_eos": True, **LONG}, "exact"),
+    ("/v1/completions", {"prompt": "The quick", "presence_penalty": 0.6, "ignore_eos": True, **LONG}, "exact"),
+    ("/v1/completions", {"prompt": "Once upon", "temperature": 0.9, "seed": 7, "max_tokens": 240, "stream": True,
+                         "ignore_eos": True, "logprobs": 1}, "exact"),
+    ("/v1/chat/completions", {"messages": CHAT, "temperature": 0.7, "top_p": 0.9, "seed": 3, "max_tokens": 240,
+                              "stream": True, "ignore_eos": True}, "exact"),
+    ("/v1/chat/completions", {"messages": CHAT, "temperature": 0.7, "top_p": 0.9, "seed": 3, "max_tokens": 240,
+                              "ignore_eos": True}, "exact"),
+]
+
+
+def test_penalties_and_seeded_sampling_across_a_kill(daemon, ray_head):
+    """Presence, frequency and repetition penalties and seeded sampling (completions and chat,
+    streamed and not) through a ``ray.kill`` with every request held mid-character read
+    exactly what a fault-free run reads: the new engine's workers count the delivered tokens
+    as generated and resume the seeded random stream after their draws (``executor.history``)."""
+    check_features_across_a_kill(daemon, ray_head, PAST)
+
+
+def generated_ids(daemon, path: str, body: dict) -> list[int]:
+    """The token ids a fault-free run of ``body`` generates (vLLM's ``return_tokens_as_token_ids``)."""
+    extra = {"logprobs": 0 if path == "/v1/completions" else True, "return_tokens_as_token_ids": True}
+    r = run_features(daemon, [(path, {**body, **extra}, "exact")], hold=False)[0]
+    return [int(t.split(":")[1]) for t in r["logprob_tokens"][0]]
+
+
+def straddling_bad_word(ids: list[int], first: int = 6) -> tuple[str, int]:
+    """A bad word of two tokens that a fault-free run generates at positions k - 1 and k (its
+    first such pair from ``first`` on, that the engine tokenizes back to the same two ids) and
+    ``k``: a seam after k tokens splits it, so only the delivered token tells the new engine
+    that the next one is forbidden."""
+    from transformers import AutoTokenizer
+
+    from chaos.harness import demo_model_path
+
+    tok = AutoTokenizer.from_pretrained(str(demo_model_path()))
+    for k in range(first, len(ids) - 1):
+        pair = ids[k - 1:k + 1]
+        word = tok.decode(pair)
+        if word == word.lstrip() and tok.encode(word, add_special_tokens=False) == pair and \
+                all(ids[j - 1:j + 1] != pair for j in range(1, k)):
+            return word, k
+    raise AssertionError(f"no two-token bad word in {ids}")
+
+
+def test_bad_words_straddling_the_seam_across_a_kill(daemon, ray_head):
+    """A two-token bad word whose first token is the last one delivered before the kill (the
+    hook holds each request right after it): a fault-free run forbids the second token there,
+    and so does the new engine, which counts the delivered tokens as generated."""
+    features, holds = [], []
+    for path, body in (("/v1/completions", {"prompt": "The quick", "stream": True, "ignore_eos": True, **LONG}),
+                       ("/v1/chat/completions", {"messages": CHAT, "ignore_eos": True, **LONG})):
+        ids = generated_ids(daemon, path, body)
+        word, k = straddling_bad_word(ids)
+        with_bad = {**body, "bad_words": [word], "return_tokens_as_token_ids": True,
+                    "logprobs": 0 if path == "/v1/completions" else True}
+        changed = generated_ids(daemon, path, {**body, "bad_words": [word]})
+        assert changed[:k] == ids[:k] and changed[k] != ids[k], (word, k, ids[:k + 1], changed[:k + 1])
+        features.append((path, with_bad, "exact"))
+        holds.append({"vllm_xargs": {"supervisor_test_hold_after": k}})
+    check_features_across_a_kill(daemon, ray_head, features, hold_xargs=holds)
+
+
+# every kind above at once, each held where its kind allows (JSON never splits a character)
+EVERY_KIND = FEATURES + STRUCTURED + PAST + [
+    ("/v1/completions", {"prompt": "The quick", "bad_words": ["the", "of"], "stream": True, "ignore_eos": True, **LONG},
+     "exact")]
+EVERY_HOLD = [HOLD] * len(FEATURES) + [{"vllm_xargs": {"supervisor_test_hold_after": 6}}] * len(STRUCTURED) + \
+    [HOLD] * (len(PAST) + 1)
+
+
+def test_every_kind_across_a_sigkill_of_the_engine_core(daemon, ray_head):
+    """Every kind of request of the tests above, at once, through a SIGKILL of vLLM's engine-core
+    process (the executor dies with it: no worker report) instead of a worker's ``ray.kill``."""
+    check_features_across_a_kill(daemon, ray_head, EVERY_KIND, hold_xargs=EVERY_HOLD,
+                                 fault=lambda: inject.kill_engine_core(daemon.proc.pid), reason="engine_dead")
 
 
 def test_sigterm_drains_running_streams_and_rejects_new_ones(daemon, ray_head, requests_and_reference):

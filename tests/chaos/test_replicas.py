@@ -84,8 +84,10 @@ def two(tmp_path_factory, ray_head):
     # replicas from vLLM's own flag
     config = {"engine": {"tensor_parallel_size": 1, "max_model_len": 1024}, "ray": {"address": ray_head.address},
               "supervisor": {**FAST_PROBES, "max_restarts": 20}}
-    with Daemon(tmp_path_factory.mktemp("replicas"), config, env={**OPERATOR_ENV, **DEV_MODE_ENV},
-                args=("--data-parallel-size", "2")).start() as d:
+    # (the test hooks and the tool-call parser: for test_every_kind_moves_between_replicas_exactly)
+    with Daemon(tmp_path_factory.mktemp("replicas"), config,
+                env={**OPERATOR_ENV, **DEV_MODE_ENV, "VLLM_SUPERVISOR_TEST_HOOKS": "1"},
+                args=("--data-parallel-size", "2", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")).start() as d:
         d.wait_ready()
         assert len(d.wait_replicas_serving()) == 2
         inject.prepare(ray_head.address)
@@ -233,6 +235,32 @@ def test_kill_one_replica_streams_move_to_the_other(two, ray_head, index, via):
     print(f"\nreplica {index} killed by {via} ({info['killed']}): {STREAMS} streams exact, "
           f"{info['victim_streams']} continued on the other; largest gap per stream p50 {gaps[len(gaps) // 2]:.2f} s, "
           f"max {gaps[-1]:.2f} s; replica rebuilt in {rec['total_s']:.1f} s (standby pid {standby_pid} adopted)")
+
+
+def test_every_kind_moves_between_replicas_exactly(two, ray_head):
+    """``--data-parallel-size 2``: every kind of request of ``tests/chaos/test_client_text.py``
+    (logprobs, penalties, seeds, bad words, ``n = 2``, structured outputs, tool calls, …) held
+    mid-stream on whichever replica it was routed to. Replica 0's worker is killed, so its
+    streams continue at once on replica 1, a different engine; once replica 0 serves again,
+    replica 1's worker is killed and every stream on it continues on replica 0. Every response
+    equals its fault-free run."""
+    from tests.chaos.test_client_text import EVERY_HOLD, EVERY_KIND, check_features_across_a_kill
+
+    daemon = two[0]
+    before = {r["replica"]: r["generation"] for r in daemon.wait_replicas_serving()}
+    moved_before = continued(daemon)
+
+    def kill_both_in_turn() -> None:
+        kill_replica(daemon, ray_head, 0)
+        daemon.wait_replicas_serving({0: before[0]})
+        kill_replica(daemon, ray_head, 1)
+
+    check_features_across_a_kill(daemon, ray_head, EVERY_KIND, hold_xargs=EVERY_HOLD, fault=kill_both_in_turn)
+    after = daemon.wait_replicas_serving({0: before[0], 1: before[1]})
+    choices = sum(b.get("n", 1) for _, b, _ in EVERY_KIND)
+    assert continued(daemon) - moved_before == len(EVERY_KIND), (continued(daemon), moved_before)
+    print(f"\n{len(EVERY_KIND)} requests ({choices} choices) of every kind through a kill of each replica in "
+          f"turn: all exact; replicas {before} -> {[(r['replica'], r['generation']) for r in after]}")
 
 
 @pytest.mark.extended  # a second fault on the same daemon (65 s): the default tier proves one kill of a replica
