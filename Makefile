@@ -70,6 +70,7 @@ bench: venv
 	$(PY) -m pip uninstall --yes --quiet $(UNINSTALL) 2>/dev/null || true
 	$(PY) -m bench.serving_overhead --rounds 8
 	$(PY) -m bench.serving_overhead --saturation --rounds 3
+	$(PY) -m bench.request_path --rounds 5 --json bench/results/request-path.json
 	$(PY) -m bench.recovery --tp 1 2 --kills 5 --anchors 2
 	$(PY) -m bench.migration --clients 16 --tokens 200 --kills 2
 	$(PY) -m bench.prefix_routing
