@@ -109,6 +109,10 @@ class SupervisorSettings(_Section):
     admission_timeout_s: float = Field(120.0, ge=0)
     # Continuation: a parked request is re-submitted at most this many times.
     continuation_limit: int = Field(3, ge=0)
+    # A query of death (supervisor.suspects): an input that crashed two engines is refused at
+    # admission for quarantine_window_s (the newest quarantine_size inputs are remembered).
+    quarantine_window_s: float = Field(600.0, ge=0)
+    quarantine_size: int = Field(1024, ge=1)
     recovery_timeout_s: float = Field(600.0, gt=0, description="How long parked requests wait for a new engine.")
     # Hang detection: no engine step for hang_timeout_s while requests are in flight (the engine's
     # own steps: a long chunked prefill is progress), checked twice a second; and a probe every

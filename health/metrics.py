@@ -76,6 +76,8 @@ class SupervisorMetrics:
         self.recovery_phase = Histogram(p + "recovery_phase_duration_seconds", "Duration of each recovery phase",
                                         ["replica", "phase"], buckets=PHASE_BUCKETS, registry=r)
         self.requests = Counter(p + "requests", "Finished requests by outcome", ["outcome"], registry=r)
+        self.quarantined = Counter(p + "requests_quarantined", "Requests that crashed two engines (a query of death), "
+                                   "their input refused from then on", registry=r)
         self.in_flight = Gauge(p + "requests_in_flight", "Requests being served, parked or queued", registry=r)
         self.parked = Gauge(p + "requests_parked", "In-flight requests waiting for the next engine", registry=r)
         self.queue_depth = Gauge(p + "admission_queue_depth", "New requests waiting for an engine", registry=r)

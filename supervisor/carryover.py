@@ -21,6 +21,7 @@ from executor.resume import RESUME_IDS_KEY
 from supervisor.continuation import (
     Engines, NotContinuable, SeamLogprobs, SeamText, continuation_input, continuation_params, why_not_continuable,
 )
+from supervisor.suspects import Record
 
 
 class Carryover:
@@ -55,6 +56,7 @@ class Carryover:
         # after a seam: the text and the logprobs' token strings as the first engine would make them
         self._text_seam: SeamText | None = None
         self._logprobs_seam: SeamLogprobs | None = None
+        self.suspect = Record()  # its part in engine failures (supervisor.suspects)
 
     def _why_not(self, params: Any) -> str | None:
         return why_not_continuable(params, self.engines)
@@ -82,6 +84,7 @@ class Carryover:
         """An engine output -> what the client reads (the same object, rewritten after a seam);
         records it. A stop string found across the seam finishes it."""
         c = out.outputs[0]
+        self.suspect.outputs_here += 1
         if self.prompt_ids is None:
             self.prompt_ids, self.prompt_text = list(out.prompt_token_ids or []), getattr(out, "prompt", None)
             self.prompt_logprobs = getattr(out, "prompt_logprobs", None)

@@ -39,7 +39,8 @@ from supervisor.builder import EngineBuilder
 from supervisor.detector_view import DetectorView
 from supervisor.engine_client import SupervisedEngineClient
 from supervisor.events import (
-    ClusterLost, ControlCommand, EngineFailed, Event, RecoveryFinished, ReloadRequested, SignalReceived, StopFinished,
+    ClusterLost, ControlCommand, EngineFailed, Event, Quarantined, RecoveryFinished, ReloadRequested, SignalReceived,
+    StopFinished,
 )
 from supervisor.generation import EngineUnavailable, Generation, RequestFailed  # noqa: F401 (re-exported)
 from supervisor.replica import Replica, pick
@@ -50,6 +51,7 @@ from supervisor.clusterloss import ClusterLoss
 from supervisor.operations import Operations
 from supervisor.recovery import EXIT_FAILED, EXIT_OK, EXIT_RAY_LOST, Recovery
 from supervisor.states import State, StateMachine
+from supervisor.suspects import Quarantine
 
 log = logs.get_logger("vllm_supervisor.daemon")
 
@@ -90,6 +92,8 @@ class Supervisor:
         self.exit_code = EXIT_OK
         self.restarts: Counter[str] = Counter()
         self.outcomes: Counter[str] = Counter()
+        # inputs that crashed two engines, refused at admission (supervisor.suspects)
+        self.quarantine = Quarantine(self.cfg.quarantine_window_s, self.cfg.quarantine_size)
         c = self.client
         self.metrics.bind_gauges(lambda: c.in_flight, lambda: c.parked, lambda: c.waiting_new)
         self.changed = asyncio.Event()  # pulsed on every transition
@@ -142,13 +146,13 @@ class Supervisor:
         return self.builder.served_model_name
 
     def pick(self, not_gen: Generation | None = None, parked: bool = False,
-             token_ids: Any = None) -> Generation | None:
+             token_ids: Any = None, replica: int | None = None) -> Generation | None:
         """The generation a request (of prompt ``token_ids``, when known) goes to now
         (``supervisor.replica.pick``), other than ``not_gen``, built for the engine arguments the
         front serves (a rolling reload); None unless READY (or DRAINING, for a parked request:
         it was admitted before the drain)."""
         if self.state is State.READY or (parked and self.state is State.DRAINING):
-            return pick(self.replicas, not_gen, self.client.epoch, self.router, token_ids)
+            return pick(self.replicas, not_gen, self.client.epoch, self.router, token_ids, replica)
         return None
 
     def serving(self, not_gen: Generation | None = None) -> bool:
@@ -162,6 +166,18 @@ class Supervisor:
     def count_outcome(self, outcome: str) -> None:
         self.outcomes[outcome] += 1
         self.metrics.requests.labels(outcome).inc()
+
+    def crashed_engines(self, event: Quarantined) -> None:
+        self.post(event)
+
+    def _on_quarantined(self, event: Quarantined) -> None:
+        """A request crashed the engines of ``event.generations``: its input is refused from
+        now on, and that crash loop spends one restart of its replica's budget, not one each."""
+        self.quarantine.add(event.fingerprint)
+        self.metrics.quarantined.inc()
+        self.replicas[event.replica].intensity.forgive(len(event.generations) - 1)
+        log.error("request quarantined: it crashed two engines", request_id=event.request_id,
+                  input_fingerprint=event.fingerprint, generations=list(event.generations), replica=event.replica)
 
     # --- the owner task ---------------------------------------------------------------
 
@@ -226,6 +242,8 @@ class Supervisor:
                 event.reply.set_result(await self.operations.on_control(event.cmd, event.args))
         elif isinstance(event, ReloadRequested):
             self.operations.on_reload()
+        elif isinstance(event, Quarantined):
+            self._on_quarantined(event)
         elif isinstance(event, StopFinished):
             if self.exit_code == EXIT_OK:
                 self.machine.transition(State.STOPPED, "stopped")

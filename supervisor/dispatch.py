@@ -4,7 +4,8 @@ The request path (``supervisor.engine_client``, ``supervisor.stream``, ``supervi
 and the HTTP front depend on this view, not on the lifecycle owner
 (``supervisor.daemon.Supervisor``, which implements it): the daemon's state and why, which
 generation a request goes to now, the serving replicas, the "something changed" event, the
-settings they read, and the two reports a request makes (its outcome; an engine it saw die).
+settings they read, the inputs in quarantine, and the three reports a request makes (its
+outcome; an engine it saw die; a request that crashed two engines).
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ if TYPE_CHECKING:
     from config.settings import SupervisorSettings
     from health.metrics import SupervisorMetrics
     from supervisor.generation import Generation
+    from supervisor.events import Quarantined
     from supervisor.replica import Replica
+    from supervisor.suspects import Quarantine
 
 
 class Dispatcher(Protocol):
-    """The daemon as the request path sees it (read-only, but for the two reports)."""
+    """The daemon as the request path sees it (read-only, but for the three reports)."""
 
     @property
     def state(self) -> State: ...
@@ -45,8 +48,13 @@ class Dispatcher(Protocol):
     def metrics(self) -> SupervisorMetrics: ...
 
     def pick(self, not_gen: Generation | None = None, parked: bool = False,
-             token_ids: Any = None) -> Generation | None:
-        """The generation a request goes to now, other than ``not_gen``; None if none serves."""
+             token_ids: Any = None, replica: int | None = None) -> Generation | None:
+        """The generation a request goes to now, other than ``not_gen`` (of ``replica`` when
+        given); None if none serves."""
+
+    @property
+    def quarantine(self) -> Quarantine:
+        """Inputs that crashed two engines (``supervisor.suspects``): refused at admission."""
 
     def serving(self) -> bool: ...
 
@@ -54,6 +62,9 @@ class Dispatcher(Protocol):
 
     def engine_died(self, gen: Generation, detail: str) -> None:
         """A request saw ``gen``'s engine die (the owner recovers it)."""
+
+    def crashed_engines(self, event: Quarantined) -> None:
+        """A request crashed two engines (the owner quarantines its input)."""
 
 
 def ready(d: Dispatcher, app_current: bool = True) -> bool:

@@ -40,4 +40,15 @@ class ReloadRequested:
     pass
 
 
-Event = SignalReceived | EngineFailed | ClusterLost | RecoveryFinished | StopFinished | ControlCommand | ReloadRequested
+@dataclass(frozen=True)
+class Quarantined:
+    """A request crashed two engines (``supervisor.suspects``): its input is refused from now on."""
+
+    replica: int
+    generations: tuple[int, ...]
+    request_id: str
+    fingerprint: str
+
+
+Event = (SignalReceived | EngineFailed | ClusterLost | RecoveryFinished | StopFinished | ControlCommand | ReloadRequested
+         | Quarantined)

@@ -31,6 +31,15 @@ class RequestFailed(GracefulHTTPError):
         super().__init__(message, HTTPStatus.SERVICE_UNAVAILABLE)
 
 
+class QueryOfDeath(GracefulHTTPError):
+    """The request crashed two engines, or is the same input as one that did
+    (``supervisor.suspects``): a final error, 422, which clients and SDKs do not retry (a 503
+    would make them send the poison again)."""
+
+    def __init__(self, message: str):
+        super().__init__(message, HTTPStatus.UNPROCESSABLE_ENTITY)
+
+
 @dataclass
 class Generation:
     """One engine and what it owns."""
@@ -55,6 +64,18 @@ class Generation:
     # on first use runs inside a step; ``SupervisorSettings.first_steps_timeout``)
     first_steps: int = 0
     first_steps_timeout_s: float = 0.0
+    # the choices in flight on it (choice id -> its Carryover), and what its failure says of them
+    choices: dict[str, Any] = field(default_factory=dict)
+    _verdict: Any = None
+
+    def failure_verdict(self) -> Any:
+        """What this generation's failure says about the choices in flight on it
+        (``supervisor.suspects.verdict``), taken once, by the first choice that saw it fail."""
+        if self._verdict is None:
+            from supervisor.suspects import verdict
+
+            self._verdict = verdict({c: r.suspect.outputs_here for c, r in self.choices.items()})
+        return self._verdict
 
     def hang_timeout(self, steady_s: float) -> float:
         """How long this generation may take no step, busy, before it is hung: ``steady_s``

@@ -26,6 +26,12 @@ class RestartIntensity:
         self._times.append(now)
         return True
 
+    def forgive(self, n: int) -> None:
+        """Take back the newest ``n`` restarts: the recoveries of a crash loop that a quarantine
+        ended count as one (``supervisor.suspects``); failures without a culprit all count."""
+        for _ in range(min(n, len(self._times))):
+            self._times.pop()
+
     def free_in(self) -> float:
         """Seconds until one more restart fits in the budget (0: now)."""
         now = self._prune()

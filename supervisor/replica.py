@@ -76,13 +76,14 @@ class Replica:
 
 
 def pick(replicas: Iterable[Replica], not_gen: Generation | None = None, epoch: int | None = None,
-         router: Any = None, token_ids: Sequence[int] | None = None) -> Generation | None:
-    """The serving generation a request goes to, other than ``not_gen`` and built for config
-    ``epoch`` (when given); None when none serves. With a ``router`` (``supervisor.routing``)
-    and the prompt's ``token_ids``, where its prefix was served; else the one with the fewest
-    streams running (ties: the lowest index)."""
+         router: Any = None, token_ids: Sequence[int] | None = None, replica: int | None = None) -> Generation | None:
+    """The serving generation a request goes to, other than ``not_gen``, built for config
+    ``epoch`` and of ``replica`` (when given); None when none serves. With a ``router``
+    (``supervisor.routing``) and the prompt's ``token_ids``, where its prefix was served; else
+    the one with the fewest streams running (ties: the lowest index)."""
     candidates = [rep.current for rep in replicas
-                  if rep.serving(not_gen) and (epoch is None or rep.current.epoch == epoch)]
+                  if rep.serving(not_gen) and (epoch is None or rep.current.epoch == epoch)
+                  and (replica is None or rep.index == replica)]
     if not candidates:
         return None
     if router is not None and token_ids and len(candidates) > 1:

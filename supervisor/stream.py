@@ -21,8 +21,10 @@ from supervisor.admission import Admission
 from supervisor.carryover import Carryover
 from supervisor.continuation import Engines, NotContinuable, child_params
 from supervisor.dispatch import Dispatcher
-from supervisor.generation import Generation, Interrupted, RequestFailed, is_engine_death
+from supervisor.events import Quarantined
+from supervisor.generation import Generation, Interrupted, QueryOfDeath, RequestFailed, is_engine_death
 from supervisor.states import State
+from supervisor.suspects import fingerprint, may_join
 
 log = logs.get_logger("vllm_supervisor.requests")
 
@@ -79,6 +81,13 @@ class Streams:
         log.info("request", request_id=request_id, prompt_tokens=n_prompt, max_tokens=sampling_params.max_tokens,
                  n=sampling_params.n, output_kind=sampling_params.output_kind.name)
         self.admission.claim_reservation()
+        if len(self.d.quarantine) and isinstance(prompt, dict):
+            print_ = fingerprint(prompt.get("prompt_token_ids"), sampling_params)
+            if print_ in self.d.quarantine:
+                self.d.count_outcome("quarantined")
+                log.warning("request refused: its input crashed two engines", request_id=request_id, input_fingerprint=print_)
+                raise QueryOfDeath(f"request refused: the same input crashed two engines (a query of death) and is "
+                                   f"refused for {self.d.cfg.quarantine_window_s:g} s (input fingerprint {print_})")
         self.in_flight += 1
         self.idle.clear()
         timing = _Timing(self.d.metrics)
@@ -92,6 +101,9 @@ class Streams:
                     yield out
             except RequestFailed:
                 self.d.count_outcome("failed")
+                raise
+            except QueryOfDeath:
+                self.d.count_outcome("quarantined")
                 raise
             finally:
                 await outputs.aclose()
@@ -151,7 +163,8 @@ class Streams:
                       timing: "_Timing", client_id: str | None = None) -> AsyncGenerator[Any, None]:
         """One token stream (``n = 1``) across engine failures (``Carryover``: what the client
         read, and the text and logprobs' token strings after a seam as the first engine would
-        make them). ``client_id``: the client's request id (``request_id`` is a choice's)."""
+        make them; its part in the failures, ``supervisor.suspects``). ``client_id``: the
+        client's request id (``request_id`` is a choice's)."""
         d = self.d
         req = Carryover(prompt, sampling_params, kwargs, request_id, self._detokenizer, self._tokenizer,
                         self._engines())
@@ -160,44 +173,80 @@ class Streams:
         dead: Generation | None = None  # the generation this request last saw fail
         client_id = client_id or request_id
         while True:
-            route_ids = req.prompt_ids or (prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None)
-            gen = await self.admission.admit(parked=attempt > 0, not_gen=dead, token_ids=route_ids)
+            gen = await self._admit(req, dead)
             try:
-                sub, engine_prompt, kw = req.next_request()
-            except NotContinuable as exc:
-                raise RequestFailed(f"request interrupted by an engine failure and cannot be continued exactly ({exc}); retry it") from None
-            rid = request_id if attempt == 0 else f"{request_id}-c{attempt}"
-            stream = self.pump(gen, engine_prompt, sub, rid, kw, client_id=client_id, choice=request_id)
-            try:
-                async for out in stream:
-                    out = req.take(out)
-                    timing.output(len(out.outputs[0].token_ids))
-                    if req.final_only and out.finished:  # one output at the end, as the front asked
-                        out = req.final(out)
-                    if out.finished or not req.final_only:
-                        req.yielded = True
-                        yield out
-                    if out.finished:
-                        break  # a stop string found across the seam ends the request here
-                    if hold_at is not None and attempt == 0:
-                        await self._maybe_hold(gen, req.ids, *hold_at)
-                log.info("request done", request_id=request_id, attempts=attempt + 1,
-                         delivered_tokens=len(req.ids) if req.delta else None)
-                return
-            except Interrupted:
-                pass
-            except Exception as exc:
-                if not is_engine_death(exc, gen):
-                    raise
-                d.engine_died(gen, f"{type(exc).__name__}: {exc}")
+                try:
+                    sub, engine_prompt, kw = req.next_request()
+                except NotContinuable as exc:
+                    raise RequestFailed(f"request interrupted by an engine failure and cannot be continued exactly ({exc}); retry it") from None
+                rid = request_id if attempt == 0 else f"{request_id}-c{attempt}"
+                stream = self.pump(gen, engine_prompt, sub, rid, kw, client_id=client_id, choice=request_id)
+                try:
+                    async for out in stream:
+                        out = req.take(out)
+                        timing.output(len(out.outputs[0].token_ids))
+                        if req.final_only and out.finished:  # one output at the end, as the front asked
+                            out = req.final(out)
+                        if out.finished or not req.final_only:
+                            req.yielded = True
+                            yield out
+                        if out.finished:
+                            break  # a stop string found across the seam ends the request here
+                        if hold_at is not None and attempt == 0:
+                            await self._maybe_hold(gen, req.ids, *hold_at)
+                    log.info("request done", request_id=request_id, attempts=attempt + 1,
+                             delivered_tokens=len(req.ids) if req.delta else None)
+                    return
+                except Interrupted:
+                    pass
+                except Exception as exc:
+                    if not is_engine_death(exc, gen):
+                        raise
+                    d.engine_died(gen, f"{type(exc).__name__}: {exc}")
+                finally:
+                    await stream.aclose()
+                verdict = gen.failure_verdict()  # while every choice it ran is still listed
             finally:
-                await stream.aclose()
+                gen.choices.pop(request_id, None)
             dead = gen  # the owner may not have marked it failed yet: never re-admit to it
             attempt += 1
             timing.attempts = max(timing.attempts, attempt)
-            if attempt > d.cfg.continuation_limit:
-                raise RequestFailed(f"request interrupted {attempt} times by engine failures (limit {d.cfg.continuation_limit}); retry it")
-            log.info("request parked", request_id=request_id, delivered_tokens=len(req.ids), attempt=attempt)
+            suspect = req.suspect
+            if suspect.failed(gen.number, request_id, verdict):
+                self._quarantine(req, gen, client_id)
+            if suspect.interruptions > d.cfg.continuation_limit:
+                raise RequestFailed(f"request interrupted {suspect.interruptions} times by engine failures "
+                                    f"(limit {d.cfg.continuation_limit}); retry it")
+            log.info("request parked", request_id=request_id, delivered_tokens=len(req.ids), attempt=attempt,
+                     implicated=request_id in verdict.implicated)
+
+    async def _admit(self, req: Carryover, dead: Generation | None) -> Generation:
+        """The generation ``req`` runs on next, where it is listed at once (``Generation.choices``).
+        A request on probation (implicated in a failure, ``supervisor.suspects``) waits for its
+        own replica's next generation, and joins it only once no request there is new."""
+        route_ids = req.prompt_ids or (req.prompt.get("prompt_token_ids") if isinstance(req.prompt, dict) else None)
+        if not req.suspect.on_probation:
+            gen = await self.admission.admit(parked=dead is not None, not_gen=dead, token_ids=route_ids)
+        else:
+            since = time.monotonic()
+            while True:
+                gen = await self.admission.admit(parked=True, not_gen=dead, token_ids=route_ids, replica=dead.replica)
+                if may_join({c: r.suspect.outputs_here for c, r in gen.choices.items()}, time.monotonic() - since):
+                    break
+                await asyncio.sleep(0.05)
+        req.suspect.outputs_here = 0
+        gen.choices[req.request_id] = req  # before any await: the next one on probation sees it new
+        return gen
+
+    def _quarantine(self, req: Carryover, gen: Generation, client_id: str) -> None:
+        """``req`` crashed two engines: its input is refused from now on and it ends here."""
+        print_ = fingerprint(req.prompt_ids or (req.prompt.get("prompt_token_ids") if isinstance(req.prompt, dict) else ()),
+                             req.pristine)
+        generations = tuple(req.suspect.implicated)
+        self.d.crashed_engines(Quarantined(gen.replica, generations, client_id, print_))
+        raise QueryOfDeath(f"request quarantined: it was new on engine generations {', '.join(map(str, generations))} "
+                           f"when each of them crashed (a query of death); the same input is refused for "
+                           f"{self.d.cfg.quarantine_window_s:g} s (input fingerprint {print_})")
 
     async def abort(self, request_ids: Iterable[str]) -> None:
         """Abort on whichever generation holds each request now."""

@@ -16,6 +16,7 @@ from supervisor.dispatch import ready
 from supervisor.events import EngineFailed, SignalReceived
 from supervisor.replica import pick
 from supervisor.states import State
+from supervisor.suspects import ESTABLISHED
 from tests.unit.test_supervisor_fake_engine import FakeBuilder, FakeSupervisor, reference, run, settings, wait_for
 
 
@@ -185,7 +186,9 @@ def test_parked_streams_move_to_the_other_replica_while_draining(tmp_path):
         moved = []
 
         async def drain_then_kill():
-            await wait_for(lambda: sum(len(r.current.pumps) for r in sup.replicas) == 4)
+            # every stream established on its engine (supervisor.suspects): none is a suspect of the kill
+            await wait_for(lambda: sum(len(r.current.pumps) for r in sup.replicas) == 4 and all(
+                c.suspect.outputs_here >= ESTABLISHED for r in sup.replicas for c in r.current.choices.values()))
             assert (await sup.operations.on_control("drain", {}))["ok"]
             moved.append(len(sup.replicas[0].current.pumps))
             kill(sup, 0)

@@ -1,0 +1,122 @@
+"""A query of death: the request that crashes whatever engine runs it, found and kept out.
+
+Being in flight at a failure is weak evidence: long innocent streams are in flight at every
+failure too. What the daemon can see is which choices were *new* on the failed engine: those
+that had read fewer than ``ESTABLISHED`` outputs from it. A request that crashes an engine does
+so in its first steps there (its prefill, or its first tokens); the established ones ran good
+steps with the engine before. The rules, per failure of a generation:
+
+===========================================  ==============================================
+the choices in flight on it                   what each of them counts
+===========================================  ==============================================
+some new                                      each new one is *implicated* (and interrupted);
+                                              the established ones count nothing
+none new (a plain fault, or a crash no new    each one is interrupted, as before this module
+request explains)                             (``continuation_limit`` bounds interruptions)
+===========================================  ==============================================
+
+* A choice implicated by failures of **two different generations** is the culprit: it is
+  quarantined (a final, non-retriable error) and its input's fingerprint is refused at
+  admission for ``quarantine_window_s``.
+* An implicated choice is *on probation*: it joins an engine only when no choice there is new
+  (each has read ``ESTABLISHED`` outputs), waiting at most ``PROBATION_WAIT_S``, so that the
+  next failure names it alone and not the innocents continued beside it. With replicas it waits
+  for its own replica's next generation: a culprit never takes a second replica down.
+
+Pure logic: ``supervisor.stream`` applies it to each choice, the owner keeps the quarantine
+(``supervisor.daemon``).
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+ESTABLISHED = 4  # outputs a choice has read from an engine before it is no longer new there
+PROBATION_WAIT_S = 5.0  # the longest a choice on probation waits for the others to be established
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What one failure of a generation says about the choices that were in flight on it."""
+
+    implicated: frozenset[str]  # the new ones
+    plain: bool  # none was new: every one counts an interruption
+
+
+def verdict(outputs: Mapping[str, int]) -> Verdict:
+    """The verdict of a failure from each in-flight choice's outputs read from the failed
+    engine (``{choice id: outputs}``)."""
+    new = frozenset(c for c, n in outputs.items() if n < ESTABLISHED)
+    return Verdict(new, plain=not new)
+
+
+def may_join(outputs: Mapping[str, int], waited_s: float) -> bool:
+    """Whether a choice on probation joins an engine whose in-flight choices read ``outputs``
+    there: once none is new, or after ``PROBATION_WAIT_S``."""
+    return waited_s >= PROBATION_WAIT_S or all(n >= ESTABLISHED for n in outputs.values())
+
+
+class Record:
+    """One choice's part in failures (``Carryover.suspect``)."""
+
+    def __init__(self) -> None:
+        self.implicated: list[int] = []  # generations whose failure implicated it
+        self.interruptions = 0  # failures it counts against continuation_limit
+        self.outputs_here = 0  # outputs read from its current engine
+
+    @property
+    def on_probation(self) -> bool:
+        return bool(self.implicated)
+
+    def failed(self, generation: int, choice: str, v: Verdict) -> bool:
+        """Its engine generation ``generation`` failed with verdict ``v``; True when this makes
+        it the culprit (implicated by two different generations)."""
+        if choice in v.implicated:
+            if generation not in self.implicated:
+                self.implicated.append(generation)
+            self.interruptions += 1
+        elif v.plain:
+            self.interruptions += 1
+        return len(self.implicated) >= 2
+
+
+def fingerprint(prompt_ids: Any, params: Any) -> str:
+    """A hash of a request's input: its prompt tokens and sampling parameters (not how its
+    output is delivered), the same for the same request sent again. Logged instead of the prompt."""
+    keep = {k: v for k, v in sorted(vars(params).items())
+            if k not in ("output_kind", "extra_args") and not k.startswith("_")}
+    extra = {k: v for k, v in sorted((getattr(params, "extra_args", None) or {}).items())
+             if not k.startswith("vllm_supervisor_") and not k.startswith("supervisor_test_hold")}
+    text = repr((list(prompt_ids or ()), keep, extra))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+class Quarantine:
+    """Inputs that crashed two engines, refused at admission for ``window_s`` (the newest
+    ``size`` of them)."""
+
+    def __init__(self, window_s: float, size: int, clock: Callable[[], float] = time.monotonic):
+        self.window_s, self.size, self.clock = window_s, size, clock
+        self._since: collections.OrderedDict[str, float] = collections.OrderedDict()
+
+    def add(self, print_: str) -> None:
+        self._since.pop(print_, None)
+        self._since[print_] = self.clock()
+        while len(self._since) > self.size:
+            self._since.popitem(last=False)
+
+    def __contains__(self, print_: str) -> bool:
+        since = self._since.get(print_)
+        if since is None:
+            return False
+        if self.clock() - since > self.window_s:
+            del self._since[print_]
+            return False
+        return True
+
+    def __len__(self) -> int:
+        return len(self._since)
