@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import threading
 import time
 from typing import Any
@@ -32,7 +33,7 @@ import ray
 import vllm.v1.executor.ray_executor_v2 as _v2
 from vllm.platforms import current_platform
 
-from executor import canary, history, resume
+from executor import canary, history, resume, testhooks
 from executor.reporting import CAUSE_MAX_CHARS, DeathReporter, Dead
 
 canary.bound_lost_wakeup()  # in the engine core and in every worker: both import this module
@@ -49,14 +50,21 @@ class SupervisedRayWorkerProc(_v2.RayWorkerProc):
     (``executor.canary``). A continued request's past counts in its sampler (``executor.history``)."""
 
     _canary_step = False
+    _poison_hook: bool | None = None  # the test hooks' query of death (executor.testhooks), read once
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         history.install()  # a continued request's past counts in this worker's sampler
         super().__init__(*args, **kwargs)
 
     def _execute_worker_rpc(self, rpc_request: tuple) -> None:
-        super()._execute_worker_rpc(rpc_request)
         method, args, kwargs = rpc_request[0], rpc_request[1], rpc_request[2]
+        if method == "execute_model":
+            if self._poison_hook is None:
+                self._poison_hook = testhooks.enabled()
+            if self._poison_hook and testhooks.poisoned(args[0] if args else kwargs.get("scheduler_output")):
+                logger.error("test hook: a poisoned request entered the batch; this worker dies (pid %d)", os.getpid())
+                os.kill(os.getpid(), signal.SIGKILL)
+        super()._execute_worker_rpc(rpc_request)
         if method != "execute_model":
             return
         serves = canary.step_serves_clients(args[0] if args else kwargs.get("scheduler_output"))

@@ -66,6 +66,7 @@ class Generation:
     first_steps_timeout_s: float = 0.0
     # the choices in flight on it (choice id -> its Carryover), and what its failure says of them
     choices: dict[str, Any] = field(default_factory=dict)
+    took_continued: bool = False  # a choice continued after a failure joined it
     _verdict: Any = None
 
     def failure_verdict(self) -> Any:

@@ -24,7 +24,7 @@ from supervisor.dispatch import Dispatcher
 from supervisor.events import Quarantined
 from supervisor.generation import Generation, Interrupted, QueryOfDeath, RequestFailed, is_engine_death
 from supervisor.states import State
-from supervisor.suspects import fingerprint, may_join
+from supervisor.suspects import blocking, fingerprint, may_join
 
 log = logs.get_logger("vllm_supervisor.requests")
 
@@ -223,19 +223,24 @@ class Streams:
     async def _admit(self, req: Carryover, dead: Generation | None) -> Generation:
         """The generation ``req`` runs on next, where it is listed at once (``Generation.choices``).
         A request on probation (implicated in a failure, ``supervisor.suspects``) waits for its
-        own replica's next generation, and joins it only once no request there is new."""
+        own replica's next generation and joins it once no request there is new; a new request
+        joins a generation that took continued requests once none of those is new."""
         route_ids = req.prompt_ids or (req.prompt.get("prompt_token_ids") if isinstance(req.prompt, dict) else None)
-        if not req.suspect.on_probation:
-            gen = await self.admission.admit(parked=dead is not None, not_gen=dead, token_ids=route_ids)
-        else:
-            since = time.monotonic()
-            while True:
-                gen = await self.admission.admit(parked=True, not_gen=dead, token_ids=route_ids, replica=dead.replica)
-                if may_join({c: r.suspect.outputs_here for c, r in gen.choices.items()}, time.monotonic() - since):
-                    break
-                await asyncio.sleep(0.05)
-        req.suspect.outputs_here = 0
-        gen.choices[req.request_id] = req  # before any await: the next one on probation sees it new
+        suspect, since = req.suspect, None
+        replica = dead.replica if suspect.on_probation and dead is not None else None
+        while True:
+            gen = await self.admission.admit(parked=dead is not None, not_gen=dead, token_ids=route_ids, replica=replica)
+            if not gen.took_continued and not suspect.on_probation:
+                break  # the steady state: nobody was continued onto this engine
+            since = since or time.monotonic()  # the wait counts from the first engine it could join
+            others = (r.suspect for r in gen.choices.values())
+            if may_join(blocking(suspect, others, self.admission.parked), time.monotonic() - since):
+                break
+            await asyncio.sleep(0.05)
+        suspect.outputs_here = 0
+        suspect.joined += 1
+        gen.took_continued |= suspect.continued
+        gen.choices[req.request_id] = req  # before any await: whoever joins next sees it new
         return gen
 
     def _quarantine(self, req: Carryover, gen: Generation, client_id: str) -> None:

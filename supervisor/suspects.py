@@ -19,9 +19,13 @@ request explains)                             (``continuation_limit`` bounds int
   quarantined (a final, non-retriable error) and its input's fingerprint is refused at
   admission for ``quarantine_window_s``.
 * An implicated choice is *on probation*: it joins an engine only when no choice there is new
-  (each has read ``ESTABLISHED`` outputs), waiting at most ``PROBATION_WAIT_S``, so that the
-  next failure names it alone and not the innocents continued beside it. With replicas it waits
-  for its own replica's next generation: a culprit never takes a second replica down.
+  (each has read ``ESTABLISHED`` outputs) and none is still waiting to join, so that the next failure names it alone and not the
+  innocents continued beside it. With replicas it waits for its own replica's next generation:
+  a culprit never takes a second replica down.
+* A new request joins an engine only when no *continued* choice there is new: a fresh poison
+  arriving right after a recovery must not implicate the innocents just continued. (An engine
+  that took no continued choice, the steady state, admits at once.)
+* Both wait at most ``PROBATION_WAIT_S``; a continued choice that was not implicated joins at once.
 
 Pure logic: ``supervisor.stream`` applies it to each choice, the owner keeps the quarantine
 (``supervisor.daemon``).
@@ -33,7 +37,7 @@ import collections
 import hashlib
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 ESTABLISHED = 4  # outputs a choice has read from an engine before it is no longer new there
 PROBATION_WAIT_S = 5.0  # the longest a choice on probation waits for the others to be established
@@ -54,10 +58,21 @@ def verdict(outputs: Mapping[str, int]) -> Verdict:
     return Verdict(new, plain=not new)
 
 
-def may_join(outputs: Mapping[str, int], waited_s: float) -> bool:
-    """Whether a choice on probation joins an engine whose in-flight choices read ``outputs``
-    there: once none is new, or after ``PROBATION_WAIT_S``."""
-    return waited_s >= PROBATION_WAIT_S or all(n >= ESTABLISHED for n in outputs.values())
+def blocking(joining: "Record", others: Iterable["Record"], parked: int = 0) -> int:
+    """How many choices keep ``joining`` from joining an engine now (``others``: those on it;
+    ``parked``: those still waiting for an engine, continued ones that will join it): for one on
+    probation, every new one and every parked one; for a new request, every new continued one;
+    else none."""
+    if joining.on_probation:
+        return parked + sum(1 for r in others if r.outputs_here < ESTABLISHED)
+    if joining.joined == 0:
+        return sum(1 for r in others if r.continued and r.outputs_here < ESTABLISHED)
+    return 0
+
+
+def may_join(blocked_by: int, waited_s: float) -> bool:
+    """Whether a choice joins an engine now: nothing blocks it, or it waited ``PROBATION_WAIT_S``."""
+    return blocked_by == 0 or waited_s >= PROBATION_WAIT_S
 
 
 class Record:
@@ -67,10 +82,15 @@ class Record:
         self.implicated: list[int] = []  # generations whose failure implicated it
         self.interruptions = 0  # failures it counts against continuation_limit
         self.outputs_here = 0  # outputs read from its current engine
+        self.joined = 0  # engines it joined
 
     @property
     def on_probation(self) -> bool:
         return bool(self.implicated)
+
+    @property
+    def continued(self) -> bool:
+        return self.joined > 1
 
     def failed(self, generation: int, choice: str, v: Verdict) -> bool:
         """Its engine generation ``generation`` failed with verdict ``v``; True when this makes

@@ -5,7 +5,7 @@ import pytest
 from vllm import SamplingParams
 
 from supervisor.policy import RestartIntensity
-from supervisor.suspects import ESTABLISHED, PROBATION_WAIT_S, Quarantine, Record, fingerprint, may_join, verdict
+from supervisor.suspects import ESTABLISHED, PROBATION_WAIT_S, Quarantine, Record, blocking, fingerprint, may_join, verdict
 
 OLD, NEW = ESTABLISHED + 40, 0
 
@@ -54,11 +54,24 @@ def test_implicated_twice_by_the_same_generation_is_not_two_engines():
     assert not a.failed(9, "a", v) and not a.failed(9, "a", v) and a.implicated == [9]
 
 
-def test_probation_joins_only_when_nobody_is_new_or_after_the_wait():
-    assert may_join({}, 0.0)
-    assert may_join({"x": ESTABLISHED, "y": OLD}, 0.0)
-    assert not may_join({"x": ESTABLISHED - 1, "y": OLD}, 0.0)
-    assert may_join({"x": 0}, PROBATION_WAIT_S)
+def record(outputs: int, joined: int = 1, implicated: tuple = ()) -> Record:
+    r = Record()
+    r.outputs_here, r.joined, r.implicated = outputs, joined, list(implicated)
+    return r
+
+
+def test_who_waits_to_join_an_engine():
+    established, new_fresh, new_continued = record(OLD), record(NEW), record(NEW, joined=2)
+    on_probation, fresh, continued = record(0, 1, (3,)), record(0, 0), record(0, 1)
+    # on probation: waits for every new choice
+    assert blocking(on_probation, [established]) == 0
+    assert blocking(on_probation, [established, new_fresh, new_continued]) == 2
+    assert blocking(on_probation, [established], parked=3) == 3  # the continued ones still on their way
+    # a new request: waits only for new continued choices (innocents a fresh poison would implicate)
+    assert blocking(fresh, [established, new_fresh]) == 0 and blocking(fresh, [new_continued]) == 1
+    # a continued innocent: joins at once
+    assert blocking(continued, [new_fresh, new_continued]) == 0
+    assert may_join(0, 0.0) and not may_join(1, 0.0) and may_join(1, PROBATION_WAIT_S)
 
 
 def test_the_fingerprint_is_the_input_not_how_it_is_delivered():
