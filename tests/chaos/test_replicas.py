@@ -263,6 +263,32 @@ def test_every_kind_moves_between_replicas_exactly(two, ray_head):
           f"turn: all exact; replicas {before} -> {[(r['replica'], r['generation']) for r in after]}")
 
 
+def test_a_poison_takes_down_one_replica_only(two, ray_head):
+    """``--data-parallel-size 2``, 16 innocent streams and one query of death (a worker dies when
+    it enters the batch: ``tests/chaos/test_query_of_death.py``). The replica it was routed to
+    fails; its innocents move to the other at once, while the poison, on probation, waits for
+    that same replica's next generation, which it crashes too: quarantined after two failures
+    of one replica, the other never touched, every innocent exact."""
+    from tests.chaos.test_query_of_death import INNOCENTS, assert_quarantined, innocents_beside, poison
+
+    daemon = two[0]
+    before = {r["replica"]: r["generation"] for r in daemon.wait_replicas_serving()}
+    records_before = len(daemon.status()["recoveries"])
+    got, reference, (answer,) = innocents_beside(daemon, [True], first=20)
+    summary = compare(got, reference)
+    assert summary["failed"] == 0 and summary["mismatched"] == 0, (summary, sorted({r.error for r in got if r.error}))
+    assert_quarantined(answer, stream=True)
+    daemon.wait_replicas_serving()
+    recoveries = daemon.status()["recoveries"][records_before:]
+    assert len(recoveries) == 2 and len({r["replica"] for r in recoveries}) == 1, recoveries  # one replica, twice
+    hit = recoveries[0]["replica"]
+    assert daemon.status()["replicas"][1 - hit]["generation"] == before[1 - hit]  # the other never failed
+    again = poison(daemon.base_url, stream=False, seed=20)
+    assert again.status_code == 422 and "request refused" in again.text, again.text
+    print(f"\nDP=2: a poison crashed replica {hit} twice and was quarantined; replica {1 - hit} untouched; "
+          f"{INNOCENTS}/{INNOCENTS} innocents exact")
+
+
 @pytest.mark.extended  # a second fault on the same daemon (65 s): the default tier proves one kill of a replica
 def test_both_replicas_killed_streams_wait_for_the_first_back(two, ray_head):
     daemon, ref, _ = two
