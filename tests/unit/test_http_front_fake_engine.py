@@ -83,6 +83,8 @@ class FakeEngine:
         n0, delta = len(ctx), params.output_kind == RequestOutputKind.DELTA
         for i in range(params.max_tokens):
             await asyncio.sleep(self.step_s)
+            if (params.extra_args or {}).get("supervisor_test_poison"):
+                self.die()  # a query of death: this engine dies when the request enters it
             if self.dead.is_set():
                 raise EngineDeadError()
             ctx.append(SAFE[(sum(ctx) * 31 + len(ctx) + (params.seed or 0)) % len(SAFE)])
@@ -298,6 +300,37 @@ def test_each_choice_of_n_is_continued_on_its_own(tmp_path):
                 got = await whole
             assert got == reference and sup.generation_number == generation + 1
         assert sup.outcomes["continued"] == 2 and sup.outcomes["failed"] == 0, sup.outcomes
+        await finish(sup, owner, client)
+
+    run(scenario())
+
+
+def test_a_query_of_death_is_quarantined_and_the_innocents_beside_it_finish_exactly(tmp_path):
+    """Four established streams and a request whose every engine dies when it enters: the
+    poison ends with a 422 error event after two engine failures, the innocents read their
+    fault-free text (neither failure counts against them: continuation_limit 1 would fail them
+    otherwise), the resend is refused at admission, the crash loop spends one restart."""
+    from supervisor.suspects import ESTABLISHED
+
+    async def scenario():
+        sup, owner, client = await started(tmp_path, continuation_limit=1)
+        bodies = [{"prompt": f"innocent {i}", "max_tokens": 200, "temperature": 0} for i in range(4)]
+        reference = [await read_stream(client, b) for b in bodies]
+        innocents = [asyncio.create_task(read_stream(client, b)) for b in bodies]
+        await wait_for(lambda: len(sup.replicas[0].current.choices) == 4 and all(
+            c.suspect.outputs_here >= ESTABLISHED for c in sup.replicas[0].current.choices.values()))
+        generation = sup.generation_number
+        poison = {"prompt": "poison", "max_tokens": 20, "vllm_xargs": {"supervisor_test_poison": 1}}
+        text, error = await read_stream(client, poison)
+        assert error and error["code"] == 422 and "request quarantined" in error["message"], error
+        assert await asyncio.gather(*innocents) == reference
+        await wait_for(lambda: sup.state is State.READY)
+        assert sup.generation_number == generation + 2  # two engine failures, no more
+        assert sup.outcomes["quarantined"] == 1 and sup.outcomes["failed"] == 0, sup.outcomes
+        assert sup.replicas[0].intensity.recent == 1  # the crash loop counts once
+        again = await client.post("/v1/completions", json=poison)
+        assert again.status_code == 422 and "request refused" in again.json()["error"]["message"], again.text
+        assert sup.generation_number == generation + 2 and sup.outcomes["quarantined"] == 2
         await finish(sup, owner, client)
 
     run(scenario())
