@@ -23,13 +23,24 @@ from tests.chaos.test_recovery import FAST_PROBES, stop_leaves_nothing
 pytestmark = pytest.mark.integration
 
 INNOCENTS = 16
+# A real query of death in vLLM 0.32 on CPU, found while building this: a seeded sampled request
+# whose prompt is prefilled in chunks (longer than --max-num-batched-tokens). vLLM discards the
+# sample of a partial prefill and rewinds the request's generator with ``set_offset``, which a CPU
+# generator does not have: "RuntimeError: CPU Generator does not use offset" in the worker, the
+# engine core dies (``vllm serve`` exits).
+BATCHED_TOKENS = 64
+REAL_POISON = {"model": "demo-tiny-llama", "prompt": " ".join(["hello world"] * 60), "max_tokens": 20,
+               "temperature": 0.8}
 LONG = 1000  # tokens (the model's limit is 1024): the innocents outlive the poison's recoveries
 
 
-def poison(base_url: str, stream: bool, seed: int = 0) -> httpx.Response:
-    """A poisoned completion, as a client sends it; the response as it reads it."""
+def poison(base_url: str, stream: bool, seed: int = 0, real: bool = False) -> httpx.Response:
+    """A poisoned completion, as a client sends it; the response as it reads it. ``real``: an
+    input that crashes vLLM 0.32's CPU engine by itself (``REAL_POISON``) instead of the test hook's mark."""
     body = {"model": "demo-tiny-llama", "prompt": f"Poison number {seed}", "max_tokens": 50, "temperature": 0,
             "stream": stream, "vllm_xargs": {"supervisor_test_poison": 1}}
+    if real:
+        body = {**REAL_POISON, "seed": seed, "stream": stream}
     with httpx.Client(base_url=base_url, timeout=600) as client:
         r = client.post("/v1/completions", json=body)
         r.read()
@@ -40,14 +51,15 @@ def poison(base_url: str, stream: bool, seed: int = 0) -> httpx.Response:
 def daemon(tmp_path_factory, ray_head):
     config = {"engine": {"tensor_parallel_size": 1, "max_model_len": 1024}, "ray": {"address": ray_head.address},
               "supervisor": {**FAST_PROBES}}  # the default restart budget: 5 in 600 s
-    with Daemon(tmp_path_factory.mktemp("qod"), config, env={**OPERATOR_ENV, "VLLM_SUPERVISOR_TEST_HOOKS": "1"}).start() as d:
+    with Daemon(tmp_path_factory.mktemp("qod"), config, env={**OPERATOR_ENV, "VLLM_SUPERVISOR_TEST_HOOKS": "1"},
+                args=("--max-num-batched-tokens", str(BATCHED_TOKENS))).start() as d:
         d.wait_ready()
         inject.prepare(ray_head.address)
         yield d
         stop_leaves_nothing(d, ray_head)
 
 
-def innocents_beside(daemon, poisons, first: int = 0) -> tuple[list, dict, list[httpx.Response]]:
+def innocents_beside(daemon, poisons, first: int = 0, real: bool = False) -> tuple[list, dict, list[httpx.Response]]:
     """The innocents' fault-free reference, then the same innocents with ``poisons`` (stream
     flags) sent one after the other once every innocent streams; (records, reference, poison
     responses)."""
@@ -57,7 +69,7 @@ def innocents_beside(daemon, poisons, first: int = 0) -> tuple[list, dict, list[
 
     def send_poisons() -> dict:
         for i, stream in enumerate(poisons):
-            answers.append(poison(daemon.base_url, stream, seed=first + i))
+            answers.append(poison(daemon.base_url, stream, seed=first + i, real=real))
         return {}
 
     records = specs(INNOCENTS, LONG, mixed=True)
@@ -112,3 +124,21 @@ def test_three_poisons_in_the_restart_window_never_fail_the_daemon(daemon, ray_h
     assert after["state"] == "ready" and after["replicas"][0]["restarts_in_window"] <= 5, after
     print(f"\nthree poisons: 6 engine failures, daemon {after['state']}, restarts in window "
           f"{after['replicas'][0]['restarts_in_window']}, {INNOCENTS}/{INNOCENTS} innocents exact")
+
+
+def test_a_real_input_that_crashes_vllms_cpu_engine_is_quarantined(daemon, ray_head):
+    """``REAL_POISON``: no test hook, an input that crashes vLLM 0.32's CPU engine core by itself
+    (a seeded request prefilled in chunks). Quarantined after two engine failures, the innocents
+    beside it exact, the resend refused."""
+    before = daemon.status()
+    got, reference, (answer,) = innocents_beside(daemon, [False], first=30, real=True)
+    summary = compare(got, reference)
+    assert summary["failed"] == 0 and summary["mismatched"] == 0, (summary, sorted({r.error for r in got if r.error}))
+    assert_quarantined(answer, stream=False)
+    after = daemon.wait_generation(before["generation"] + 2, timeout_s=240)
+    assert after["generation"] == before["generation"] + 2 and after["state"] == "ready", after
+    assert "CPU Generator does not use offset" in daemon.log_path.read_text(errors="replace")  # vLLM's own failure
+    again = poison(daemon.base_url, stream=True, seed=30, real=True)
+    assert again.status_code == 200 and "request refused" in again.text, again.text
+    print(f"\na real crashing input (seeded, chunked prefill): quarantined after 2 engine failures, "
+          f"{INNOCENTS}/{INNOCENTS} innocents exact, the resend refused")
