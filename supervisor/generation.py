@@ -71,11 +71,13 @@ class Generation:
 
     def failure_verdict(self) -> Any:
         """What this generation's failure says about the choices in flight on it
-        (``supervisor.suspects.verdict``), taken once, by the first choice that saw it fail."""
+        (``supervisor.suspects.verdict``), taken once, by the first choice that saw it fail. A
+        planned rebuild (restart, reload) is no failure: it counts for nobody."""
         if self._verdict is None:
-            from supervisor.suspects import verdict
+            from supervisor.suspects import Verdict, verdict
 
-            self._verdict = verdict({c: r.suspect.outputs_here for c, r in self.choices.items()})
+            self._verdict = (Verdict(frozenset(), plain=False) if self.planned
+                             else verdict({c: r.suspect.outputs_here for c, r in self.choices.items()}))
         return self._verdict
 
     def hang_timeout(self, steady_s: float) -> float:
@@ -109,6 +111,7 @@ class Generation:
         recovery (a rare event) returns them at once."""
         self.engine = None
         self.pumps.clear()
+        self.choices.clear()
         started = time.monotonic()
         gc.collect()
         return time.monotonic() - started

@@ -81,13 +81,6 @@ class Streams:
         log.info("request", request_id=request_id, prompt_tokens=n_prompt, max_tokens=sampling_params.max_tokens,
                  n=sampling_params.n, output_kind=sampling_params.output_kind.name)
         self.admission.claim_reservation()
-        if len(self.d.quarantine) and isinstance(prompt, dict):
-            print_ = fingerprint(prompt.get("prompt_token_ids"), sampling_params)
-            if print_ in self.d.quarantine:
-                self.d.count_outcome("quarantined")
-                log.warning("request refused: its input crashed two engines", request_id=request_id, input_fingerprint=print_)
-                raise QueryOfDeath(f"request refused: the same input crashed two engines (a query of death) and is "
-                                   f"refused for {self.d.cfg.quarantine_window_s:g} s (input fingerprint {print_})")
         self.in_flight += 1
         self.idle.clear()
         timing = _Timing(self.d.metrics)
@@ -166,6 +159,12 @@ class Streams:
         make them; its part in the failures, ``supervisor.suspects``). ``client_id``: the
         client's request id (``request_id`` is a choice's)."""
         d = self.d
+        if len(d.quarantine) and isinstance(prompt, dict):  # each choice: its own seed and parameters
+            print_ = fingerprint(prompt.get("prompt_token_ids"), sampling_params)
+            if print_ in d.quarantine:
+                log.warning("request refused: its input crashed two engines", request_id=request_id, input_fingerprint=print_)
+                raise QueryOfDeath(f"request refused: the same input crashed two engines (a query of death) and is "
+                                   f"refused for {d.cfg.quarantine_window_s:g} s (input fingerprint {print_})")
         req = Carryover(prompt, sampling_params, kwargs, request_id, self._detokenizer, self._tokenizer,
                         self._engines())
         hold_at = testhooks.hold_point(req.params) if self.test_hooks else None

@@ -105,3 +105,22 @@ def test_a_crash_loop_ended_by_a_quarantine_counts_once(spent, forgiven, left):
         assert budget.record()
     budget.forgive(forgiven)
     assert budget.recent == left
+
+
+def test_a_planned_rebuild_counts_for_nobody_and_a_failure_is_judged_once():
+    from types import SimpleNamespace
+
+    from supervisor.generation import Generation
+
+    def on(planned: bool) -> Generation:
+        gen = Generation(1, "g1", None, set(), 0.0, planned=planned)
+        gen.choices = {"new": SimpleNamespace(suspect=record(0)), "old": SimpleNamespace(suspect=record(OLD))}
+        return gen
+
+    planned = on(True).failure_verdict()
+    assert not planned.implicated and not planned.plain  # an operator's restart or reload
+    gen = on(False)
+    first = gen.failure_verdict()
+    assert first.implicated == {"new"}
+    gen.choices.clear()  # the choices leave as they see the failure: the verdict stays the first one
+    assert gen.failure_verdict() is first
