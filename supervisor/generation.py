@@ -76,8 +76,9 @@ class Generation:
         if self._verdict is None:
             from supervisor.suspects import Verdict, verdict
 
-            self._verdict = (Verdict(frozenset(), plain=False) if self.planned
-                             else verdict({c: r.suspect.outputs_here for c, r in self.choices.items()}))
+            self._verdict = (Verdict(frozenset(), plain=False) if self.planned else verdict(
+                {c: r.suspect.outputs_here for c, r in self.choices.items()},
+                [c for c, r in self.choices.items() if r.suspect.on_probation]))
         return self._verdict
 
     def hang_timeout(self, steady_s: float) -> float:

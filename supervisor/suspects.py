@@ -15,8 +15,10 @@ none new (a plain fault, or a crash no new    each one is interrupted, as before
 request explains)                             (``continuation_limit`` bounds interruptions)
 ===========================================  ==============================================
 
-* A choice implicated by failures of **two different generations** is the culprit: it is
-  quarantined (a final, non-retriable error) and its input's fingerprint is refused at
+* A choice implicated by failures of **two different generations** is the culprit, when at the
+  second it was the only one new there that was already on probation (several on probation new
+  together, after their wait ran out, tell nothing apart: none of them counts that failure as a
+  second one). The culprit is quarantined (a final, non-retriable error) and its input's fingerprint is refused at
   admission for ``quarantine_window_s``.
 * An implicated choice is *on probation*: it joins an engine only when no choice there is new
   (each has read ``ESTABLISHED`` outputs) and none is still waiting to join, so that the next failure names it alone and not the
@@ -49,13 +51,14 @@ class Verdict:
 
     implicated: frozenset[str]  # the new ones
     plain: bool  # none was new: every one counts an interruption
+    singles_out: bool = True  # at most one of the new ones was already on probation
 
 
-def verdict(outputs: Mapping[str, int]) -> Verdict:
+def verdict(outputs: Mapping[str, int], on_probation: Iterable[str] = ()) -> Verdict:
     """The verdict of a failure from each in-flight choice's outputs read from the failed
-    engine (``{choice id: outputs}``)."""
+    engine (``{choice id: outputs}``) and which of them were on probation."""
     new = frozenset(c for c, n in outputs.items() if n < ESTABLISHED)
-    return Verdict(new, plain=not new)
+    return Verdict(new, plain=not new, singles_out=len(new.intersection(on_probation)) <= 1)
 
 
 def blocking(joining: "Record", others: Iterable["Record"], parked: int = 0) -> int:
@@ -96,7 +99,7 @@ class Record:
         """Its engine generation ``generation`` failed with verdict ``v``; True when this makes
         it the culprit (implicated by two different generations)."""
         if choice in v.implicated:
-            if generation not in self.implicated:
+            if generation not in self.implicated and (not self.implicated or v.singles_out):
                 self.implicated.append(generation)
             self.interruptions += 1
         elif v.plain:

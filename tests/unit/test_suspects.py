@@ -124,3 +124,16 @@ def test_a_planned_rebuild_counts_for_nobody_and_a_failure_is_judged_once():
     assert first.implicated == {"new"}
     gen.choices.clear()  # the choices leave as they see the failure: the verdict stays the first one
     assert gen.failure_verdict() is first
+
+
+def test_several_on_probation_new_together_are_not_told_apart():
+    """After their wait ran out, two choices on probation joined together and the engine failed:
+    neither counts it as its second failure; the next one, alone, decides."""
+    a, b = Record(), Record()
+    first = verdict({"a": NEW, "b": NEW})
+    a.failed(1, "a", first), b.failed(1, "b", first)
+    together = verdict({"a": NEW, "b": NEW, "long": OLD}, on_probation=["a", "b"])
+    assert not together.singles_out
+    assert not a.failed(2, "a", together) and not b.failed(2, "b", together) and a.implicated == [1]
+    alone = verdict({"a": NEW, "long": OLD}, on_probation=["a"])
+    assert a.failed(3, "a", alone) and a.implicated == [1, 3]
