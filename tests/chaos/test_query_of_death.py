@@ -10,6 +10,7 @@ Before ``supervisor.suspects`` the same scenario failed every innocent stream wi
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import httpx
@@ -67,9 +68,23 @@ def innocents_beside(daemon, poisons, first: int = 0, real: bool = False) -> tup
     reference = as_reference(asyncio.run(run_with_fault(daemon.base_url, INNOCENTS, LONG, records=records))[0])
     answers: list[httpx.Response] = []
 
-    def send_poisons() -> dict:
+    def send_poisons() -> None:
         for i, stream in enumerate(poisons):
             answers.append(poison(daemon.base_url, stream, seed=first + i, real=real))
+
+    sender = threading.Thread(target=send_poisons, name="poisons")
+
+    def first_crash() -> dict:
+        """Send the poisons (in the background: the innocents may finish before their answers)
+        and return once the first engine failure is seen, mid-stream."""
+        def replicas() -> list:
+            return [(r["state"], r["generation"]) for r in daemon.status()["replicas"]]
+
+        before = replicas()
+        sender.start()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and sender.is_alive() and replicas() == before:
+            time.sleep(0.05)
         return {}
 
     records = specs(INNOCENTS, LONG, mixed=True)
@@ -77,8 +92,10 @@ def innocents_beside(daemon, poisons, first: int = 0, real: bool = False) -> tup
     def innocents_established() -> bool:  # the streamed ones read 8 chunks; the others run as long
         return all(len(r.chunk_times) >= 8 for r in records if r.stream)
 
-    got, _ = asyncio.run(run_with_fault(daemon.base_url, INNOCENTS, LONG, send_poisons, records=records,
+    got, _ = asyncio.run(run_with_fault(daemon.base_url, INNOCENTS, LONG, first_crash, records=records,
                                         ready_for_fault=innocents_established))
+    sender.join(600)
+    assert not sender.is_alive() and len(answers) == len(poisons), answers
     return got, reference, answers
 
 
