@@ -58,6 +58,13 @@ class Carryover:
         self._logprobs_seam: SeamLogprobs | None = None
         self.suspect = Record()  # its part in engine failures (supervisor.suspects)
 
+    @property
+    def token_ids(self) -> list[int] | None:
+        """The prompt's token ids: as the first engine read them, else as the front sent them."""
+        if self.prompt_ids:
+            return self.prompt_ids
+        return self.prompt.get("prompt_token_ids") if isinstance(self.prompt, dict) else None
+
     def _why_not(self, params: Any) -> str | None:
         return why_not_continuable(params, self.engines)
 

@@ -224,11 +224,10 @@ class Streams:
         A request on probation (implicated in a failure, ``supervisor.suspects``) waits for its
         own replica's next generation and joins it once no request there is new; a new request
         joins a generation that took continued requests once none of those is new."""
-        route_ids = req.prompt_ids or (req.prompt.get("prompt_token_ids") if isinstance(req.prompt, dict) else None)
         suspect, since = req.suspect, None
         replica = dead.replica if suspect.on_probation and dead is not None else None
         while True:
-            gen = await self.admission.admit(parked=dead is not None, not_gen=dead, token_ids=route_ids, replica=replica)
+            gen = await self.admission.admit(parked=dead is not None, not_gen=dead, token_ids=req.token_ids, replica=replica)
             if not gen.took_continued and not suspect.on_probation:
                 break  # the steady state: nobody was continued onto this engine
             since = since or time.monotonic()  # the wait counts from the first engine it could join
@@ -244,8 +243,7 @@ class Streams:
 
     def _quarantine(self, req: Carryover, gen: Generation, client_id: str) -> None:
         """``req`` crashed two engines: its input is refused from now on and it ends here."""
-        print_ = fingerprint(req.prompt_ids or (req.prompt.get("prompt_token_ids") if isinstance(req.prompt, dict) else ()),
-                             req.pristine)
+        print_ = fingerprint(req.token_ids, req.pristine)
         generations = tuple(req.suspect.implicated)
         self.d.crashed_engines(Quarantined(gen.replica, generations, client_id, print_))
         raise QueryOfDeath(f"request quarantined: it was new on engine generations {', '.join(map(str, generations))} "
