@@ -18,9 +18,9 @@ from typing import Any, Literal, Mapping
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from config.engine_args import reserved_engine_args, vllm_engine_arg_names
+from config.exitcodes import EXIT_CONFIG  # noqa: F401 (re-exported)
 
 ENV_PREFIX = "VLLM_SUPERVISOR_"
-EXIT_CONFIG = 78  # EX_CONFIG from sysexits.h: systemd shows it as "CONFIG".
 
 
 class ConfigError(Exception):

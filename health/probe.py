@@ -72,12 +72,20 @@ class EngineProbe:
         self.last_ok_wall: float | None = None
         self._reach_check: asyncio.Future | None = None
         self._probes: dict[int, asyncio.Task] = {}  # replica index -> its full probe in flight
+        self.counts: dict[int, int] = {}  # replica index -> its consecutive failed probes
 
     @property
     def failures(self) -> int:
         """The most consecutive failures of any replica."""
-        return max(r.probe_failures for r in self.view.replicas)
+        return max(self.counts.values(), default=0)
 
+    def passed(self, replica: int) -> bool:
+        """Whether ``replica``'s last probe passed (or none failed since it came up)."""
+        return self.counts.get(replica, 0) == 0
+
+    def _current(self, replica: int) -> Any:
+        """``replica``'s generation in the owner's latest snapshot (read again after each await)."""
+        return self.view.replicas[replica].current
     def status(self) -> dict[str, Any]:
         return {"consecutive_failures": self.failures, "last_duration_s": self.last_s,
                 "last_success_unix": self.last_ok_wall}
@@ -101,7 +109,7 @@ class EngineProbe:
                 if not view.ready() or not rep.serving() or view.held():
                     # a new generation starts with a clean slate; a paused or sleeping engine
                     # (vLLM's pause_generation / sleep) is still on purpose, and so is its canary
-                    rep.probe_failures = 0
+                    self.counts[rep.index] = 0
                     continue
                 gen = rep.current
                 if stalled(gen, view.cfg.hang_timeout_s, since=view.released_monotonic) is not None:
@@ -109,8 +117,8 @@ class EngineProbe:
                     # has step reports queued for it, which must be read before anything is hung.
                     await asyncio.sleep(CONFIRM_S)
                     problem = None if view.held() else stalled(gen, view.cfg.hang_timeout_s, since=view.released_monotonic)
-                    if problem is not None and not gen.failed and gen is rep.current and view.ready():
-                        rep.probe_failures = 0  # the wait is itself the evidence: no threshold
+                    if problem is not None and not gen.failed and gen is self._current(rep.index) and view.ready():
+                        self.counts[rep.index] = 0  # the wait is itself the evidence: no threshold
                         log.warning("probe failed", problem=problem, replica=rep.index)
                         view.post(EngineFailed(gen.number, "hang", problem, kill_workers=True))
                     continue
@@ -126,16 +134,16 @@ class EngineProbe:
         except Exception as exc:
             problem = f"probe error: {type(exc).__name__}: {exc}"
         if problem is None:
-            rep.probe_failures = 0
+            self.counts[rep.index] = 0
             return
         if problem.startswith("dead:"):
-            rep.probe_failures = 0
+            self.counts[rep.index] = 0
             view.post(EngineFailed(gen.number, "engine_dead", problem))
             return
-        rep.probe_failures += 1
-        log.warning("probe failed", problem=problem, consecutive=rep.probe_failures, replica=rep.index)
-        if rep.probe_failures >= view.cfg.probe_failure_threshold and gen is rep.current and not gen.failed:
-            rep.probe_failures = 0
+        failures = self.counts[rep.index] = self.counts.get(rep.index, 0) + 1
+        log.warning("probe failed", problem=problem, consecutive=failures, replica=rep.index)
+        if failures >= view.cfg.probe_failure_threshold and gen is self._current(rep.index) and not gen.failed:
+            self.counts[rep.index] = 0
             if problem.startswith("ray cluster"):  # a GCS that accepts but does not answer: lost too
                 view.post(ClusterLost(view.gcs_address, problem, agent_pid=view.agent_pid))
             else:

@@ -44,7 +44,7 @@ class ProbeView(ClusterView, Protocol):
     def cfg(self) -> SupervisorSettings: ...
 
     @property
-    def replicas(self) -> Sequence[Any]: ...  # supervisor.replica.Replica (the probe keeps its probe_failures)
+    def replicas(self) -> Sequence[Any]: ...  # supervisor.replica.ReplicaView: the owner's latest snapshot
 
     @property
     def metrics(self) -> SupervisorMetrics: ...

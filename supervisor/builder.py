@@ -3,7 +3,7 @@ threads (``asyncio.to_thread``), never on the event loop.
 
 The model, and one engine generation's build and teardown (with the shared-memory rings it
 made). The warm standby's fork server and workers are ``supervisor.standby_workers``; the Ray cluster itself (the agent, each replica's
-placement group, actor queries and kills) is ``supervisor.raylink``, reached as ``builder.ray``.
+placement group, actor queries and kills) is ``supervisor.raylink``, handed in.
 
 Builds take turns (one lock): on a small machine two engine starts at once only slow each
 other, and the shared-memory rings a build leaves are attributed to it by what appeared
@@ -26,14 +26,12 @@ log = logs.get_logger("vllm_supervisor.builder")
 
 
 class EngineBuilder:
-    def __init__(self, settings: Settings, engine_args: Any, daemon_id: str, event_endpoint: str):
+    def __init__(self, settings: Settings, engine_args: Any, daemon_id: str, event_endpoint: str, ray: RayLink):
         self.settings = settings
         self.engine_args = engine_args  # vLLM's serve Namespace (``config.serve_args``)
         self.daemon_id = daemon_id
         self.event_endpoint = event_endpoint
-        # the link to the Ray cluster: the agent, placement groups, actor kills
-        self.ray = RayLink(settings.ray, daemon_id, lambda: (self.engine_args.tensor_parallel_size,
-                                                              self.engine_args.pipeline_parallel_size))
+        self.ray = ray  # the link to the Ray cluster (the composition root builds it)
         self.model_path = ""
         self.served_model_name = ""
         self.config_epoch = 0  # +1 each time a reload changes the engine arguments (Generation.epoch)

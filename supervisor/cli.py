@@ -17,9 +17,9 @@ import asyncio
 import sys
 from typing import Any, Sequence
 
-from config import EXIT_CONFIG, ConfigError, Settings
+from config import ConfigError, Settings
+from config.exitcodes import EXIT_CONFIG, EXIT_UNAVAILABLE
 
-EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE: the port is taken
 from config.serve_args import add_supervision_group, load_supervision, vllm_defaults
 
 USAGE = "vllm-supervisor {serve [MODEL] [vllm serve flags] | check-config [TOML] | ctl ... | run --config TOML}"

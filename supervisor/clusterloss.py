@@ -1,77 +1,61 @@
-"""Loss of the Ray cluster and the wait for it to come back (a part the owner,
-``supervisor.daemon.Supervisor``, builds; its task runs every method here).
+"""Loss of the Ray cluster and the wait for it to come back: the slow work the owner
+(``supervisor.owner``) starts when its dispatch takes a ``ClusterLost``.
 
-A ``ClusterLost`` (``health.clusterwatch``, or the probe finding the GCS mute) kills the Ray
-agent at once, before a new GCS can answer it (``executor.rayagent`` says why), forgets the
-standby's workers (they went with the cluster) and fails every serving generation like any
-fault. Every build then waits here, up to ``ray.reconnect_timeout_s``, for the GCS to listen
-again and a new agent to connect (one replica reconnects; the others wait for it); past that
-the recovery fails and the daemon exits 75.
+The dispatch marks the link lost at once (``RayLink.mark_lost``: nothing more is asked of
+the agent) and fails every serving generation like any fault; ``lose`` then kills the Ray
+agent, before a new GCS can answer it (``executor.rayagent`` says why), and forgets the
+standby's workers (they went with the cluster). Every build waits in ``await_back``, up to
+``ray.reconnect_timeout_s``, for the GCS to listen again and a new agent to connect (one
+replica reconnects; the others wait for it), and posts ``ClusterBack``; past that the build's
+placement fails for good and the daemon exits 75.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import Any, Callable
 
 from health.clusterwatch import listening, split_address
 from supervisor import logs
-from supervisor.events import ClusterLost, EngineFailed
-from supervisor.owner import Owner
-from supervisor.states import State
+from supervisor.events import ClusterBack, Event
+from supervisor.raylink import RayLink
+from supervisor.standby import Standby
 
 log = logs.get_logger("vllm_supervisor.clusterloss")
 
 
 class ClusterLoss:
-    def __init__(self, sup: Owner):
-        self.sup = sup
+    def __init__(self, ray: RayLink, standby: Standby, post: Callable[[Event], None], metrics: Any,
+                 stopping: Callable[[], bool]):
+        self.ray, self.standby, self.post, self.metrics, self.stopping = ray, standby, post, metrics, stopping
         self.lost_monotonic: float | None = None  # when the GCS stopped answering (while lost)
         self._reconnecting = asyncio.Lock()
 
     def status(self) -> dict[str, Any]:
-        ray, lost = self.sup.ray, self.lost_monotonic
+        ray, lost = self.ray, self.lost_monotonic
         return {"gcs_address": ray.gcs_address, "connected": ray.cluster is not None and not ray.cluster_lost,
                 "lost_for_s": None if lost is None else round(time.monotonic() - lost, 1),
                 "agent_pid": ray.agent_pid}
 
-    async def on_lost(self, event: ClusterLost) -> None:
-        sup, ray = self.sup, self.sup.ray
-        if (ray.cluster_lost or ray.cluster is None or sup.state.terminal
-                or ray.released or (event.agent_pid is not None and event.agent_pid != ray.agent_pid)):
-            return  # a repeat, or a report about an older agent
-        being_built = [r.building for r in sup.replicas if r.building is not None]  # their engine cores lost it too
-        timeout = ray.settings.reconnect_timeout_s  # the ray settings of the start (a reload's apply at the next)
-        log.error("ray cluster lost", address=event.address, detail=event.detail, reconnect_timeout_s=timeout,
-                  detect_ms=round((time.monotonic() - event.detected_monotonic) * 1000, 1))
-        self.lost_monotonic = event.detected_monotonic
-        sup.metrics.ray_connected.set(0)
-        await asyncio.to_thread(ray.lose)
-        await sup.standby.cluster_lost()
-        sup.recovery.doom(being_built)
-        reason = f"ray cluster lost ({event.address}: {event.detail}); waiting up to {timeout:g} s for it"
-        for rep in sup.replicas:  # a recovery under way from a death the loss explains
-            before = rep.record.reason if rep.record is not None else None
-            if rep.record is not None and rep.record.add_cluster_lost(event.detected_monotonic, reason):
-                log.info("failure cause refined", cause="ray_lost", replica=rep.index, refined_from=before)
-        serving = [r.current for r in sup.replicas if r.serving()]
-        for gen in serving:
-            if sup.state is not State.STOPPING:
-                sup.recovery.on_engine_failed(EngineFailed(gen.number, "ray_lost", reason, event.detected_monotonic))
-        if not serving and sup.state is State.RECOVERING:
-            sup.machine.transition(State.RECOVERING, reason)
+    async def lose(self, detected_monotonic: float) -> None:
+        """Kill the lost cluster's agent and forget the standby's workers (the link is already
+        marked lost: ``RayLink.mark_lost``)."""
+        self.lost_monotonic = detected_monotonic
+        self.metrics.ray_connected.set(0)
+        await asyncio.to_thread(self.ray.kill_agent)
+        await self.standby.cluster_lost()
 
     async def await_back(self) -> tuple[bool, str]:
         """Until the deadline: wait for the lost GCS to listen again (a private cluster is
         started anew at once), then connect a new agent. Returns (ok, detail)."""
         async with self._reconnecting:
-            if not self.sup.ray.cluster_lost:
+            if not self.ray.cluster_lost:
                 return True, ""  # another replica reconnected it
             return await self._reconnect()
 
     async def _reconnect(self) -> tuple[bool, str]:
-        sup, ray = self.sup, self.sup.ray
+        ray = self.ray
         timeout = ray.settings.reconnect_timeout_s
         lost_at = self.lost_monotonic or time.monotonic()
         private = ray.cluster.started_local
@@ -80,7 +64,7 @@ class ClusterLoss:
         configured = ray.settings.address
         address = configured if split_address(configured) else ray.gcs_address
         while time.monotonic() < lost_at + timeout:
-            if sup.state is State.STOPPING:
+            if self.stopping():
                 return True, "stopping"
             if private or await listening(address) is None:
                 try:
@@ -91,10 +75,9 @@ class ClusterLoss:
                     continue
                 lost_for = time.monotonic() - lost_at
                 self.lost_monotonic = None
-                sup.metrics.ray_connected.set(1)
+                self.metrics.ray_connected.set(1)
                 log.info("ray cluster back", address=ray.gcs_address, lost_for_s=round(lost_for, 2))
-                if sup.state is State.RECOVERING:
-                    sup.machine.transition(State.RECOVERING, f"ray cluster back after {lost_for:.1f} s; rebuilding")
+                self.post(ClusterBack(lost_for))
                 return True, ""
             await asyncio.sleep(0.5)
         return False, f"ray cluster at {address} lost and not back within {timeout:g} s"

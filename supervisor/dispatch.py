@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from health.metrics import SupervisorMetrics
     from supervisor.generation import Generation
     from supervisor.events import Quarantined
-    from supervisor.replica import Replica
+    from supervisor.replica import ReplicaView
     from supervisor.suspects import Quarantine
 
 
@@ -38,7 +38,8 @@ class Dispatcher(Protocol):
     def cfg(self) -> SupervisorSettings: ...
 
     @property
-    def replicas(self) -> Sequence[Replica]: ...
+    def replicas(self) -> Sequence[ReplicaView]:
+        """The replicas in the owner's latest snapshot."""
 
     @property
     def changed(self) -> asyncio.Event:
@@ -58,6 +59,9 @@ class Dispatcher(Protocol):
 
     def serving(self) -> bool: ...
 
+    def probe_passed(self, replica: int) -> bool:
+        """Whether ``replica``'s last probe passed (``health.probe`` keeps the counts)."""
+
     def count_outcome(self, outcome: str) -> None: ...
 
     def engine_died(self, gen: Generation, detail: str) -> None:
@@ -71,4 +75,4 @@ def ready(d: Dispatcher, app_current: bool = True) -> bool:
     """What ``/readyz`` and load balancers see: READY, the HTTP front has vLLM's app built on
     the current model config (``app_current``), and a serving replica's last probe passed."""
     return (d.state is State.READY and app_current
-            and any(r.serving() and r.probe_failures == 0 for r in d.replicas))
+            and any(r.serving() and d.probe_passed(r.index) for r in d.replicas))

@@ -250,17 +250,24 @@ class SupervisedEngineClient(EngineClient):
         finally:
             self._release("pause")
 
-    async def hold_like_the_others(self, engine: Any) -> list[str]:
+    def holds_now(self) -> tuple[Any, Any]:
+        """What an engine must be given before it serves: (asleep, paused)."""
+        return self.asleep, self.paused
+
+    async def hold_like_the_others(self, engine: Any, since: tuple[Any, Any] = (None, None)) -> tuple[list[str], tuple[Any, Any]]:
         """A newly built engine (a recovery's, a replica's) joins as the operator left the
         others, before it serves: asleep at the same level, woken as far as they were, paused;
         and follows every change made meanwhile (a wake or resume whose calls to the others were
         under way). Without this a recovery while the engines sleep (vLLM's sleep mode) would
         leave an awake engine holding the device memory lent to another process. A level-2
         sleep woken in part is not replayed: level 2 discards the weights, and the operator was
-        loading new ones into the others; this engine has the model's own. Returns what it did."""
+        loading new ones into the others; this engine has the model's own. ``since``: what it
+        was given before. Returns what it did, and what it has been given: the owner serves it
+        only if that is still ``holds_now()`` (its dispatch does not await: nothing changes
+        between that check and serving), else it is held again."""
         done: list[str] = []
-        slept, paused = None, None  # what this engine has been given
-        while (self.asleep, self.paused) != (slept, paused):  # no await between this check and serving
+        slept, paused = since  # what this engine has been given
+        while (self.asleep, self.paused) != (slept, paused):
             want, want_paused = self.asleep, self.paused
             if want != slept:
                 if want is None:
@@ -284,7 +291,7 @@ class SupervisedEngineClient(EngineClient):
                     await engine.pause_generation(**want_paused)
                     done.append("pause_generation")
                 paused = want_paused
-        return done
+        return done, (slept, paused)
 
     async def is_paused(self) -> bool:
         return bool(self.d.serving() and any(await self._each("is_paused")))

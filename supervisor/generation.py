@@ -56,6 +56,7 @@ class Generation:
     failed: bool = False
     planned: bool = False  # retired by a drain-then-rebuild (restart, reload), not by a fault
     standby: dict[str, Any] | None = None  # what its build adopted (supervisor.standby)
+    held_as: tuple[Any, Any] = (None, None)  # what its engine was given: (asleep, paused) (engine_client.hold_like_the_others)
     replica: int = 0  # the replica it serves (supervisor.replica)
     epoch: int = 0  # the engine arguments it was built with (EngineBuilder.config_epoch: +1 per reload that changed them)
     last_output_monotonic: float = field(default_factory=time.monotonic)  # its last token

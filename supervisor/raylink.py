@@ -119,14 +119,19 @@ class RayLink:
     def agent_alive(self) -> bool:
         return self.cluster is None or self.cluster.alive()
 
-    def lose(self) -> list[int]:
-        """The GCS went away: kill the agent (and a private cluster's processes) before a
-        new GCS can answer it, forget the placement groups (the new cluster has none)."""
+    def mark_lost(self) -> bool:
+        """The GCS went away: nothing more is asked of the agent, and the placement groups are
+        forgotten (the new cluster has none). No Ray call; False when already lost or none."""
         if self.cluster is None or self.cluster_lost:
-            return []
+            return False
         self.cluster_lost = True
         self.placement_groups.clear()
-        killed = self.cluster.kill()
+        return True
+
+    def kill_agent(self) -> list[int]:
+        """Kill the lost cluster's agent (and a private cluster's processes) before a new GCS
+        can answer it."""
+        killed = self.cluster.kill() if self.cluster is not None else []
         log.warning("ray agent killed: the cluster is lost", killed_pids=killed)
         return killed
 

@@ -24,6 +24,7 @@ from supervisor.events import EngineFailed
 class RecoveryRecord:
     def __init__(self, replica: int, from_generation: int, event: EngineFailed):
         self.replica, self.from_generation, self.first = replica, from_generation, event
+        self.opened_monotonic = time.monotonic()
         self.phases: dict[str, float] = {}
         self.teardown_monotonic: float | None = None
         self.standby: dict[str, Any] | None = None  # what the new generation adopted

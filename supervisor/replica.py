@@ -21,7 +21,6 @@ prompt + delivered tokens, exactly as after a single-engine recovery).
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
@@ -29,50 +28,81 @@ from typing import Any, Iterable, Sequence
 from config.settings import SupervisorSettings
 from supervisor.generation import Generation
 from supervisor.policy import RestartIntensity
+from supervisor.states import ReplicaState, StateMachine, replica_machine
 
 
 @dataclass(eq=False)
 class Replica:
+    """One replica as the owner holds it. Only the owner's dispatch (``supervisor.owner``)
+    changes it; readers see ``ReplicaView`` in the owner's snapshot."""
+
     index: int
+    machine: StateMachine[ReplicaState] = field(default_factory=replica_machine)
     current: Generation | None = None  # the generation it serves, or the failed one until torn down
     building: int | None = None  # the generation number being built
-    recovery: asyncio.Task | None = None  # its start or recovery, while one runs
     record: Any = None  # the recovery under way (``supervisor.record``)
     served: bool = False  # a generation of it has been up
-    probe_failures: int = 0  # consecutive (``health.probe``)
-    retry_at: float | None = None  # monotonic: its budget is spent; it tries again then
+    first: bool = True  # its first start: the first build is not counted against the budget
+    attempt: int = 0  # builds tried since it last served or failed (the backoff's exponent)
+    retry_at: float | None = None  # monotonic, while WAITING: it tries again then
     last_error: str = ""  # why its last build failed (cleared when it serves)
     # the owner builds it from its settings; the default (the settings' defaults) is for a Replica built alone
     intensity: RestartIntensity = field(default_factory=lambda: RestartIntensity(
         SupervisorSettings.model_fields["max_restarts"].default, SupervisorSettings.model_fields["restart_window_s"].default))
 
+    @property
+    def state(self) -> ReplicaState:
+        return self.machine.state
+
     def serving(self, not_gen: Generation | None = None) -> bool:
         gen = self.current
-        return gen is not None and not gen.failed and gen is not not_gen
+        return self.state is ReplicaState.SERVING and gen is not None and not gen.failed and gen is not not_gen
 
     @property
     def busy(self) -> bool:
-        return self.recovery is not None and not self.recovery.done()
+        """Slow work under way, or waiting for its budget (what a reload waits for)."""
+        return self.state.busy or self.state is ReplicaState.WAITING
 
-    @property
-    def state(self) -> str:
-        """serving | starting | recovering | waiting | down (for status and the ``replica_up`` metric)."""
-        if self.serving():
-            return "serving"
-        if self.retry_at is not None:
-            return "waiting"
-        if self.busy or self.building is not None:
-            return "recovering" if self.served else "starting"
-        return "down"
+    def view(self) -> "ReplicaView":
+        return ReplicaView(self.index, self.state, self.current, self.served)
 
-    def status(self) -> dict[str, Any]:
+    def status(self, probe_failures: int = 0) -> dict[str, Any]:
         gen = self.current
-        return {"replica": self.index, "state": self.state, "generation": gen.number if gen else 0,
+        return {"replica": self.index, "state": self.view().word, "phase": self.state.value,
+                "generation": gen.number if gen else 0,
                 "instance_id": gen.instance_id if gen else "", "streams": len(gen.pumps) if gen else 0,
-                "building": self.building, "probe_failures": self.probe_failures,
+                "building": self.building, "probe_failures": probe_failures,
                 "restarts_in_window": self.intensity.recent,
                 **({"retry_in_s": round(max(0.0, self.retry_at - time.monotonic()), 1)} if self.retry_at else {}),
                 **({"last_error": self.last_error} if self.last_error else {})}
+
+
+@dataclass(frozen=True, eq=False)
+class ReplicaView:
+    """A replica as readers see it (``supervisor.snapshot``): immutable, taken by the owner."""
+
+    index: int
+    state: ReplicaState
+    current: Generation | None
+    served: bool
+
+    def serving(self, not_gen: Generation | None = None) -> bool:
+        gen = self.current
+        return self.state is ReplicaState.SERVING and gen is not None and not gen.failed and gen is not not_gen
+
+    @property
+    def word(self) -> str:
+        """serving | starting | recovering | waiting | down (status and the ``replica_up`` metric)."""
+        if self.state is ReplicaState.SERVING:
+            return "serving"
+        if self.state is ReplicaState.WAITING:
+            return "waiting"
+        if self.state.busy:
+            return "recovering" if self.served else "starting"
+        return "down"
+
+    def key(self) -> tuple:
+        return (self.index, self.state, id(self.current), self.current.failed if self.current else None)
 
 
 def pick(replicas: Iterable[Replica], not_gen: Generation | None = None, epoch: int | None = None,

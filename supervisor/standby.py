@@ -10,7 +10,7 @@ Two parts, both started after a generation is READY and both owned by this daemo
 
 With replicas there is one standby for all of them: a generation number is reserved for it
 when it is prepared, and the first build placed, whichever replica it is for, takes that
-number and claims it (the workers
+number (``take``) and claims it (the workers
 are placed by node, ``executor.standby``, so any replica's placement group on that node can
 adopt them). One standby, not one per replica: a replica's recovery is what it speeds up,
 two replicas rarely fail within the ~10 s it takes to prepare the next, and each one would
@@ -118,9 +118,14 @@ class Standby:
 
     def reserved(self) -> int | None:
         """The number reserved for the standby that no build has taken yet: the next build
-        takes it (and must ``claim`` it before its next await), so numbers have no gaps even
+        takes it (``take``, at once), so numbers have no gaps even
         when the standby was dropped meanwhile. None: take a new one."""
         return self._unclaimed if self.enabled else None
+
+    def take(self, generation: int) -> None:
+        """The owner took ``generation`` for a build: a reserved number is taken once."""
+        if generation == self._unclaimed:
+            self._unclaimed = None
 
     async def claim(self, generation: int) -> dict[str, Any] | None:
         """The standby for the build of ``generation``: ``{"namespace", "forkserver"}``

@@ -40,7 +40,7 @@ def demo_front():
     from supervisor.cli import parse_serve
 
     st, args = parse_serve(["--data-dir", str(data_dir())])
-    EngineBuilder(st, args, "t", "").prepare_model()
+    EngineBuilder(st, args, "t", "", ray=None).prepare_model()
     return args, AsyncEngineArgs.from_cli_args(args).create_engine_config()
 
 
@@ -327,7 +327,7 @@ def test_a_query_of_death_is_quarantined_and_the_innocents_beside_it_finish_exac
         await wait_for(lambda: sup.state is State.READY)
         assert sup.generation_number == generation + 2  # two engine failures, no more
         assert sup.outcomes["quarantined"] == 1 and sup.outcomes["failed"] == 0, sup.outcomes
-        assert sup.replicas[0].intensity.recent == 1  # the crash loop counts once
+        assert sup.owner.replicas[0].intensity.recent == 1  # the crash loop counts once
         again = await client.post("/v1/completions", json=poison)
         assert again.status_code == 422 and "request refused" in again.json()["error"]["message"], again.text
         assert sup.generation_number == generation + 2 and sup.outcomes["quarantined"] == 2

@@ -77,11 +77,15 @@ async def two_replicas(tmp_path, builder=None):
 
 
 def test_pick_takes_the_replica_with_fewest_streams():
-    from supervisor.replica import Replica
+    from supervisor.replica import ReplicaView
+    from supervisor.states import ReplicaState
     from types import SimpleNamespace
 
     def gen(n, streams, failed=False, epoch=0):
         return SimpleNamespace(number=n, pumps=dict.fromkeys(range(streams)), failed=failed, epoch=epoch)
+
+    def Replica(index, current):  # as the owner's snapshot shows a serving replica
+        return ReplicaView(index, ReplicaState.SERVING, current, True)
 
     a, b, c = Replica(0, gen(1, 3)), Replica(1, gen(2, 1)), Replica(2, gen(3, 0, failed=True))
     assert pick([a, b, c]) is b.current
@@ -115,7 +119,7 @@ def test_a_failed_replicas_streams_move_to_the_other_at_once(tmp_path):
         assert done_at - killed_at[0] < SlowRebuilds.rebuild_s
         assert sup.outcomes["continued"] == 3 and sup.outcomes["ok"] == 3
         assert State.RECOVERING not in states  # replica 1 served throughout
-        assert sup.replicas[0].state == "recovering"
+        assert sup.replicas[0].word == "recovering"
         await wait_for(lambda: sup.replicas[0].serving())
         assert sup.replicas[0].current.number == 3 and sup.replicas[1].current.number == 2
         assert sup.torn_down == [1] and sup.restarts["worker_death"] == 1
@@ -189,7 +193,7 @@ def test_parked_streams_move_to_the_other_replica_while_draining(tmp_path):
             # every stream established on its engine (supervisor.suspects): none is a suspect of the kill
             await wait_for(lambda: sum(len(r.current.pumps) for r in sup.replicas) == 4 and all(
                 c.suspect.outputs_here >= ESTABLISHED for r in sup.replicas for c in r.current.choices.values()))
-            assert (await sup.operations.on_control("drain", {}))["ok"]
+            assert (await sup._submit("drain", {}))["ok"]
             moved.append(len(sup.replicas[0].current.pumps))
             kill(sup, 0)
 
@@ -203,14 +207,14 @@ def test_parked_streams_move_to_the_other_replica_while_draining(tmp_path):
         await killer
         assert got == [reference(p, 60) for p in prompts]  # admitted before the drain: continued on replica 1
         # every stream ended while replica 0's rebuild was still held: none waited for it
-        assert builder.rebuilds_done == [] and sup.replicas[0].state == "recovering", (builder.rebuilds_done, sup.status()["replicas"])
+        assert builder.rebuilds_done == [] and sup.replicas[0].word == "recovering", (builder.rebuilds_done, sup.status()["replicas"])
         assert moved == [2], moved  # least streams: two on each replica when replica 0 failed
         assert sup.outcomes["continued"] == 2 and sup.outcomes["ok"] == 2 and sup.outcomes["failed"] == 0, sup.outcomes
         assert sup.state is State.DRAINING and State.RECOVERING not in states
         builder.gate.set()
         await wait_for(lambda: sup.replicas[0].serving())
         assert builder.rebuilds_done == [3] and sup.replicas[1].current.number == 2
-        assert (await sup.operations.on_control("resume", {}))["ok"]
+        assert (await sup._submit("resume", {}))["ok"]
         sup.post(SignalReceived(signal.SIGTERM))
         assert await owner == 0
 
@@ -228,9 +232,9 @@ def test_restart_rebuilds_replicas_one_after_another_while_the_other_serves(tmp_
             prompts = [[9, i] for i in range(4)]
             tasks = [asyncio.create_task(stream(sup, p, 150, f"e{i}")) for i, p in enumerate(prompts)]
             await wait_for(lambda: sum(len(r.current.pumps) for r in sup.replicas) == 4)
-            assert (await sup.operations.on_control("restart", {}))["ok"]
+            assert (await sup._submit("restart", {}))["ok"]
             assert await asyncio.gather(*tasks) == [reference(p, 150) for p in prompts]
-            await wait_for(lambda: not sup.operations.busy() and all(r.serving() for r in sup.replicas), timeout_s=15)
+            await wait_for(lambda: not sup.owner.busy() and all(r.serving() for r in sup.replicas), timeout_s=15)
         finally:
             SlowRebuilds.rebuild_s = 1.5
         assert sorted(r.current.number for r in sup.replicas) == [3, 4]
@@ -302,7 +306,7 @@ def test_a_replica_that_cannot_be_built_waits_while_the_other_serves(tmp_path):
         await wait_for(lambda: all(r.serving() for r in sup.replicas))
         b.failing.add(1)
         kill(sup, 1)
-        await wait_for(lambda: sup.replicas[1].state == "waiting", 5)
+        await wait_for(lambda: sup.replicas[1].word == "waiting", 5)
         status = sup.status()["replicas"][1]
         assert status["state"] == "waiting" and 0 < status["retry_in_s"] <= 1.5, status
         assert "not placed" in status["last_error"] and budget_spent(sup, 1) == 1
@@ -317,7 +321,7 @@ def test_a_replica_that_cannot_be_built_waits_while_the_other_serves(tmp_path):
 
         b.failing.update({0, 1})  # now neither can be built: the daemon fails
         kill(sup, 1)
-        await wait_for(lambda: sup.replicas[1].state == "waiting", 5)
+        await wait_for(lambda: sup.replicas[1].word == "waiting", 5)
         assert sup.state is State.READY
         kill(sup, 0)
         assert await asyncio.wait_for(owner, 10) == 3

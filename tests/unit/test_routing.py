@@ -5,7 +5,13 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from supervisor.replica import Replica, pick
+from supervisor.replica import ReplicaView, pick
+from supervisor.states import ReplicaState
+
+
+def Replica(index, current):
+    """A serving replica as the owner's snapshot shows it (what ``pick`` reads)."""
+    return ReplicaView(index, ReplicaState.SERVING, current, True)
 from supervisor.routing import BLOCK, MAX_BLOCKS, PrefixRouter, block_hashes
 
 
@@ -69,7 +75,7 @@ def test_a_rebuilt_or_excluded_generation_does_not_match():
     a, b = Replica(0, gen(1)), Replica(1, gen(2, streams=1))
     prompt = tokens(7, 4 * BLOCK)
     assert pick([a, b], router=router, token_ids=prompt) is a.current
-    a.current = gen(3, streams=2)  # replica 0 rebuilt: an empty cache under a new number
+    a = Replica(0, gen(3, streams=2))  # replica 0 rebuilt: an empty cache under a new number (a new snapshot)
     assert pick([a, b], router=router, token_ids=prompt) is b.current  # no match: least streams
     assert pick([a, b], not_gen=b.current, router=router, token_ids=prompt) is a.current  # a continuation
     assert pick([a], router=router, token_ids=prompt) is a.current  # one candidate: no choice

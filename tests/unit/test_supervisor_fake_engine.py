@@ -16,9 +16,10 @@ from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from config import load_settings
-from supervisor.daemon import EXIT_FAILED, EngineUnavailable, Generation, RequestFailed, Supervisor
+from config.exitcodes import EXIT_FAILED
+from supervisor.daemon import EngineUnavailable, Generation, RequestFailed, Supervisor
 from supervisor.dispatch import ready
-from supervisor.events import EngineFailed, SignalReceived
+from supervisor.events import EngineFailed, ReloadRequested, SignalReceived
 from supervisor.states import State
 
 
@@ -188,8 +189,13 @@ class FakeRayLink:
         self.agent_up = True
         self.connects += 1
 
-    def lose(self):
+    def mark_lost(self):
+        if self.cluster is None or self.cluster_lost:
+            return False
         self.cluster_lost = True
+        return True
+
+    def kill_agent(self):
         return []
 
     def ensure_placement_group(self, replica=0):
@@ -452,7 +458,11 @@ def test_an_engine_asleep_is_rebuilt_asleep_before_it_serves(tmp_path):
             FakeEngine.on_hold = lambda engine, call: call == "sleep" and not waking and waking.append(
                 asyncio.ensure_future(sup.client.wake_up()))
             new = await recover(3)
-            await waking[0]
+            # The wake came while the daemon was RECOVERING with no engine serving: the call answers
+            # "unavailable" (a real engine's sleep yields, so it always did), yet the new engine,
+            # held asleep, follows it before it serves (the owner holds it again: ``Recovery.rehold``).
+            with pytest.raises(EngineUnavailable):
+                await waking[0]
             assert new.held == [("sleep", 1), ("wake_up", None)] and not await new.is_sleeping()
             FakeEngine.on_hold = None
 
@@ -527,7 +537,7 @@ def test_death_of_the_generation_being_built_dooms_it(tmp_path):
         await wait_for(lambda: sup.state is State.READY)
         sup.engines[0].die()
         sup.post(EngineFailed(1, "worker_death", "first"))
-        await wait_for(lambda: sup.replicas[0].building == 2)
+        await wait_for(lambda: sup.owner.replicas[0].building == 2)
         sup.post(EngineFailed(2, "worker_death", "killed while starting"))
         await wait_for(lambda: sup.state is State.READY and sup.generation_number == 3)
         assert sup.torn_down == [1, 2]
@@ -691,12 +701,12 @@ def test_reload_edge_cases(tmp_path):
         await wait_for(lambda: sup.state is State.READY)
 
         current["s"] = settings(tmp_path, max_restarts=9, drain_timeout_s=3)
-        sup.operations.on_reload()
-        assert sup.cfg.max_restarts == 9 and sup.replicas[0].intensity.max_restarts == 9 and sup.cfg.drain_timeout_s == 3
+        sup.owner.dispatch(ReloadRequested())
+        assert sup.cfg.max_restarts == 9 and sup.owner.replicas[0].intensity.max_restarts == 9 and sup.cfg.drain_timeout_s == 3
         assert sup.state is State.READY and sup.generation_number == 1 and not sup.restarts
 
         current["s"] = ConfigError(["config error: supervisor.max_restarts = -1: too small"])
-        sup.operations.on_reload()
+        sup.owner.dispatch(ReloadRequested())
         assert "max_restarts" in sup.config_error and sup.cfg.max_restarts == 9 and sup.state is State.READY
 
         sup.build_failures = 2
@@ -704,14 +714,14 @@ def test_reload_edge_cases(tmp_path):
         sup.post(EngineFailed(1, "worker_death", "x"))
         await wait_for(lambda: sup.state is State.RECOVERING)
         current["s"] = settings(tmp_path, max_restarts=1)
-        sup.operations.on_reload()  # ignored: nothing to rebuild behind while recovering
+        sup.owner.dispatch(ReloadRequested())  # ignored: nothing to rebuild behind while recovering
         assert sup.cfg.max_restarts == 9
         await wait_for(lambda: sup.state is State.READY)
 
         current["s"] = settings(tmp_path, max_restarts=9)
         current["args"] = fake_args(max_model_len=512)  # vllm serve's --max-model-len
         before = sup.generation_number
-        sup.operations.on_reload()
+        sup.owner.dispatch(ReloadRequested())
         await wait_for(lambda: sup.state is State.READY and sup.generation_number == before + 1)
         assert sup.restarts["reload"] == 1 and sup.config_error == ""
         sup.post(SignalReceived(signal.SIGTERM))
