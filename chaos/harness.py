@@ -88,19 +88,10 @@ def stale_actors(names: list[str], status: dict) -> list[str]:
 def marked_pids(marker: str) -> list[int]:
     """PIDs of live processes whose environment carries ``marker`` (the daemon's descendants)."""
     needle = f"{MARKER_ENV}={marker}".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as fh:
-                if needle in fh.read().split(b"\0"):
-                    with open(f"/proc/{entry}/stat", "rb") as st:
-                        if st.read().split(b")")[-1].split()[0] != b"Z":
-                            found.append(int(entry))
-        except OSError:
-            continue
-    return found
+    from executor import procfs
+
+    return [pid for pid in procfs.pids()
+            if needle in (procfs.read(pid, "environ") or b"").split(b"\0") and procfs.running(pid)]
 
 
 class Daemon:

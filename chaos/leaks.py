@@ -25,18 +25,17 @@ Proc = tuple[int, int]  # (pid, start time in clock ticks since boot)
 
 def processes() -> dict[int, dict]:
     """Every live process we can read (zombies excluded): pid -> ppid, session, start, uid."""
+    from executor import procfs
+
     out = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as fh:
-                fields = fh.read().rsplit(b")", 1)[1].split()
-            uid = os.stat(f"/proc/{entry}").st_uid
-        except OSError:
-            continue
-        if fields[0] not in (b"Z", b"X"):
-            out[int(entry)] = {"ppid": int(fields[1]), "sid": int(fields[3]), "start": int(fields[19]), "uid": uid}
+    for pid in procfs.pids():
+        fields = procfs.stat(pid)
+        if fields is not None and fields[0] not in (b"Z", b"X"):
+            try:
+                uid = os.stat(f"/proc/{pid}").st_uid
+            except OSError:
+                continue
+            out[pid] = {"ppid": int(fields[1]), "sid": int(fields[3]), "start": int(fields[19]), "uid": uid}
     return out
 
 
@@ -64,17 +63,9 @@ def cmdline(pid: int) -> str:
 
 def mapped_by(pids: set[int]) -> set[str]:
     """``/dev/shm`` names mapped (or held open) by ``pids``."""
-    names: set[str] = set()
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/maps", "rb") as fh:
-                for line in fh:
-                    idx = line.find(b"/dev/shm/")
-                    if idx >= 0:
-                        names.add(line[idx + 9:].split(b" (deleted)")[0].strip().decode(errors="replace"))
-        except OSError:
-            continue
-    return names
+    from executor import procfs
+
+    return {path[len("/dev/shm/"):] for path in procfs.mapped("/dev/shm/", set(pids))} if pids else set()
 
 
 def open_files(pid: int) -> dict[str, int]:

@@ -105,22 +105,10 @@ def shutdown_engine(engine, timeout_s: float = 5.0) -> None:
 
 
 def child_pids(parents: set[int], cmd_prefix: bytes = b"") -> list[int]:
-    """Live children of ``parents`` (from /proc) whose command line starts with ``cmd_prefix``."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as fh:
-                ppid = int(fh.read().rsplit(b")", 1)[1].split()[1])
-            if ppid not in parents:
-                continue
-            with open(f"/proc/{entry}/cmdline", "rb") as fh:
-                if fh.read().startswith(cmd_prefix):
-                    pids.append(int(entry))
-        except (OSError, ValueError, IndexError):
-            continue
-    return sorted(pids)
+    """Live children of ``parents`` whose command line starts with ``cmd_prefix``."""
+    from executor.procfs import children
+
+    return children(parents, cmd_prefix)
 
 
 def engine_worker_pids(engine) -> list[int]:

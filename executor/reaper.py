@@ -29,36 +29,11 @@ import sys
 import time
 from pathlib import Path
 
+from executor.procfs import owned_by_me, process_table, start_time, wall_clock  # noqa: F401 (re-exported)
 from executor.shm import SHM_DIR, sweep, vllm_segments
 
 SNAPSHOT_S = 0.5
 Proc = tuple[int, int]  # (pid, start time in clock ticks since boot)
-
-
-def process_table() -> dict[int, tuple[int, int]]:
-    """``pid -> (ppid, start time)`` of every live process we can read (zombies excluded)."""
-    table = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as fh:
-                fields = fh.read().rsplit(b")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] not in (b"Z", b"X"):
-            table[int(entry)] = (int(fields[1]), int(fields[19]))
-    return table
-
-
-def start_time(pid: int) -> int | None:
-    """Start time of a live process (None: gone or a zombie)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            fields = fh.read().rsplit(b")", 1)[1].split()
-    except OSError:
-        return None
-    return None if fields[0] in (b"Z", b"X") else int(fields[19])
 
 
 def descendants(root: int, table: dict[int, tuple[int, int]] | None = None) -> set[Proc]:
@@ -104,12 +79,7 @@ def reap(known: set[Proc], rounds: int = 10, pause_s: float = 0.2, spare: set[in
 
 def _ours(pid: int) -> bool:
     """A process of this user (root may reap anyone's: systemd runs the daemon as its own user)."""
-    if os.getuid() == 0:
-        return True
-    try:
-        return os.stat(f"/proc/{pid}").st_uid == os.getuid()
-    except OSError:
-        return False
+    return os.getuid() == 0 or owned_by_me(pid)
 
 
 def sweep_when_unmapped(candidates: set[str], wait_s: float = 10.0) -> list[str]:
@@ -122,13 +92,6 @@ def sweep_when_unmapped(candidates: set[str], wait_s: float = 10.0) -> list[str]
         if not (candidates & vllm_segments()) or time.monotonic() > deadline:
             return removed
         time.sleep(0.2)
-
-
-def wall_clock(ticks: int) -> float:
-    """Wall-clock time of a process start time in clock ticks since boot."""
-    with open("/proc/stat") as fh:
-        btime = next(int(line.split()[1]) for line in fh if line.startswith("btime"))
-    return btime + ticks / os.sysconf("SC_CLK_TCK")
 
 
 def segments_since(when: float) -> set[str]:

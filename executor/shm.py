@@ -11,7 +11,6 @@ process still maps.
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
@@ -30,21 +29,10 @@ def vllm_segments(shm_dir: Path = SHM_DIR) -> set[str]:
 def mapped_segments(shm_dir: Path = SHM_DIR, pids: set[int] | None = None) -> set[str]:
     """Names of segments of ``shm_dir`` mapped by any process we can inspect (or only by
     those in ``pids``)."""
+    from executor.procfs import mapped
+
     prefix = f"{shm_dir}/"
-    mapped: set[str] = set()
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit() or (pids is not None and int(entry.name) not in pids):
-            continue
-        try:
-            with open(f"/proc/{entry.name}/maps", "rb") as fh:
-                for line in fh:
-                    idx = line.find(prefix.encode())
-                    if idx >= 0:
-                        path = line[idx:].split(b" (deleted)")[0].strip().decode(errors="replace")
-                        mapped.add(path[len(prefix) :])
-        except OSError:  # gone, or not ours to read
-            continue
-    return mapped
+    return {path[len(prefix):] for path in mapped(prefix, pids)}
 
 
 def sweep(candidates: set[str], shm_dir: Path = SHM_DIR) -> list[str]:

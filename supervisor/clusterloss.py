@@ -17,6 +17,7 @@ import time
 from typing import Any, Callable
 
 from health.clusterwatch import listening, split_address
+from health.metrics import SupervisorMetrics
 from supervisor import logs
 from supervisor.events import ClusterBack, Event
 from supervisor.raylink import RayLink
@@ -26,7 +27,7 @@ log = logs.get_logger("vllm_supervisor.clusterloss")
 
 
 class ClusterLoss:
-    def __init__(self, ray: RayLink, standby: Standby, post: Callable[[Event], None], metrics: Any,
+    def __init__(self, ray: RayLink, standby: Standby, post: Callable[[Event], None], metrics: SupervisorMetrics,
                  stopping: Callable[[], bool]):
         self.ray, self.standby, self.post, self.metrics, self.stopping = ray, standby, post, metrics, stopping
         self.lost_monotonic: float | None = None  # when the GCS stopped answering (while lost)

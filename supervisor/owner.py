@@ -22,7 +22,7 @@ import signal
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from config import Settings
 from config.exitcodes import EXIT_FAILED, EXIT_OK, EXIT_RAY_LOST
@@ -38,6 +38,17 @@ from supervisor.record import RecoveryRecord
 from supervisor.replica import Replica, building, replica_of
 from supervisor.snapshot import Snapshot
 from supervisor.states import ReplicaState as R, State, StateMachine
+
+if TYPE_CHECKING:
+    from health.metrics import SupervisorMetrics
+    from health.notify import SystemdNotifier
+    from supervisor.builder import EngineBuilder
+    from supervisor.clusterloss import ClusterLoss
+    from supervisor.engine_client import SupervisedEngineClient
+    from supervisor.raylink import RayLink
+    from supervisor.recovery import Recovery
+    from supervisor.standby import Standby
+    from supervisor.suspects import Quarantine
 
 log = logs.get_logger("vllm_supervisor.daemon")
 
@@ -68,15 +79,15 @@ class Stop:
 class Parts:
     """What the owner starts work on and reads (``supervisor.daemon`` wires them)."""
 
-    work: Any  # supervisor.recovery.Recovery: the slow work (tasks that post results)
-    cluster: Any  # supervisor.clusterloss.ClusterLoss
-    standby: Any  # supervisor.standby.Standby (its own state machine)
-    ray: Any  # supervisor.raylink.RayLink
-    builder: Any  # supervisor.builder.EngineBuilder: the engine arguments and their epoch
-    client: Any  # supervisor.engine_client.SupervisedEngineClient: in flight, the front's epoch
-    metrics: Any  # health.metrics.SupervisorMetrics
-    notifier: Any  # health.notify.SystemdNotifier
-    quarantine: Any  # supervisor.suspects.Quarantine
+    work: Recovery  # the slow work (tasks that post results)
+    cluster: ClusterLoss
+    standby: Standby  # its own state machine
+    ray: RayLink
+    builder: EngineBuilder  # the engine arguments and their epoch
+    client: SupervisedEngineClient  # in flight, the front's epoch, the holds
+    metrics: SupervisorMetrics
+    notifier: SystemdNotifier
+    quarantine: Quarantine
     spawn: Callable[[Any], Any]  # start a coroutine as a task
     later: Callable[[float, Any], Any]  # post an event after a delay
     reload_settings: Callable[[], tuple[Settings, Any]] | None = None
@@ -296,7 +307,7 @@ class Owner:
             return
         if event.fatal:
             rep.machine.transition(R.STOPPED, event.error)
-            self._fail(event.error, EXIT_RAY_LOST if self.p.ray.cluster_lost else EXIT_FAILED)
+            self._fail(event.error)
             return
         if event.error:
             self._build_failed(rep, None, event.error)
@@ -539,13 +550,14 @@ class Owner:
         elif not self.state.terminal:
             self._begin_stop(f"{signal.Signals(event.signum).name} received")
 
-    def _fail(self, reason: str, code: int = EXIT_FAILED) -> None:
-        """The daemon gives up (exit ``code``): the recoveries under way close as failed, then it stops."""
+    def _fail(self, reason: str) -> None:
+        """The daemon gives up: the recoveries under way close as failed, then it stops (exit 75
+        while the Ray cluster is lost, else 3)."""
         if self.state is State.STOPPING or self.state.terminal:
             return
         for rep in self.replicas:
             self._close_record(rep, ok=False)
-        self.exit_code = code
+        self.exit_code = EXIT_RAY_LOST if self.p.ray.cluster_lost else EXIT_FAILED
         self._begin_stop(reason)
 
     def _begin_stop(self, reason: str) -> None:
@@ -572,7 +584,9 @@ class Owner:
             if rep.state is not R.STOPPED and (idle or stop.deadline_passed):
                 gen = rep.current if idle else None
                 rep.current = None
-                rep.retry_at = None
+                if rep.state is R.WAITING:
+                    rep.retry_at = None
+                    self.p.metrics.replica_budget_spent.labels(str(rep.index)).set(0)
                 rep.machine.transition(R.STOPPED, "stopping")
                 self.p.metrics.replica(rep.index, up=False, generation=0)
                 if gen is not None:

@@ -53,7 +53,9 @@ class RestartIntensity:
 
 
 def backoff_s(attempt: int, initial_s: float, max_s: float, rng: random.Random | None = None) -> float:
-    """Exponential backoff with full jitter: uniform in [0, min(max, initial * 2**attempt)]."""
+    """The wait before build attempt ``attempt`` (0: the first, no wait): exponential backoff
+    with "equal jitter", uniform in [c/2, c] where c = min(max_s, initial_s * 2**(attempt - 1)),
+    so the waits grow initial, 2×initial, … up to max_s and never drop to zero."""
     if attempt <= 0 or initial_s <= 0:
         return 0.0
     ceiling = min(max_s, initial_s * (2 ** (attempt - 1)))

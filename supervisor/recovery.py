@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
+from health.metrics import SupervisorMetrics
 from supervisor import aio, logs
 from supervisor.builder import EngineBuilder
 from supervisor.clusterloss import ClusterLoss
@@ -24,16 +25,18 @@ from supervisor.generation import Generation
 from supervisor.raylink import RayLink
 from supervisor.standby import Standby
 
+if TYPE_CHECKING:
+    from supervisor.engine_client import SupervisedEngineClient
+
 log = logs.get_logger("vllm_supervisor.recovery")
 
 Post = Callable[[Event], None]
 
 
 class Recovery:
-    def __init__(self, builder: EngineBuilder, ray: RayLink, standby: Standby, client: Any, cluster: ClusterLoss,
-                 post: Post, metrics: Any):
-        """``client`` is the request path (``supervisor.engine_client.SupervisedEngineClient``):
-        a new engine is attached to it and held as the others are."""
+    def __init__(self, builder: EngineBuilder, ray: RayLink, standby: Standby, client: SupervisedEngineClient,
+                 cluster: ClusterLoss, post: Post, metrics: SupervisorMetrics):
+        """``client`` is the request path: a new engine is attached to it and held as the others are."""
         self.builder, self.ray, self.standby, self.client = builder, ray, standby, client
         self.cluster, self.post, self.metrics = cluster, post, metrics
 

@@ -41,3 +41,35 @@ def test_every_pair(src, dst):
 def test_illegal_examples():
     for src, dst in [(State.STOPPED, State.READY), (State.FAILED, State.STARTING), (State.STARTING, State.DRAINING), (State.STOPPING, State.READY)]:
         assert dst not in TRANSITIONS[src]
+
+
+# --- a replica's machine -----------------------------------------------------------------------
+
+from supervisor.states import REPLICA_TRANSITIONS, ReplicaState, replica_machine  # noqa: E402
+
+
+def test_replica_table_covers_every_state_and_only_stopped_is_terminal():
+    assert set(REPLICA_TRANSITIONS) == set(ReplicaState)
+    assert [s for s in ReplicaState if not REPLICA_TRANSITIONS[s]] == [ReplicaState.STOPPED]
+    assert all(ReplicaState.STOPPED in REPLICA_TRANSITIONS[s] for s in ReplicaState if s is not ReplicaState.STOPPED)
+
+
+@pytest.mark.parametrize("src, dst", list(itertools.product(ReplicaState, ReplicaState)))
+def test_every_replica_pair(src, dst):
+    m = replica_machine()
+    m.state = src
+    if dst in REPLICA_TRANSITIONS[src]:
+        m.transition(dst, "ok")
+        assert m.state is dst and m.reason == "ok"
+    else:
+        with pytest.raises(IllegalTransition):
+            m.transition(dst, "not allowed")
+        assert m.state is src
+
+
+def test_a_recovery_is_a_path_through_the_replica_table():
+    m = replica_machine()
+    for to in ["placing", "building", "serving", "tearing_down", "placing", "building", "placing", "waiting",
+               "placing", "building", "tearing_down", "placing", "building", "serving", "stopped"]:
+        m.transition(ReplicaState(to), to)
+    assert m.state is ReplicaState.STOPPED

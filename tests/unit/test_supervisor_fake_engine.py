@@ -869,3 +869,29 @@ def test_a_ray_agent_that_dies_on_its_own_is_replaced(tmp_path):
         await gcs.stop()
 
     run(scenario())
+
+
+def test_the_signal_handlers_it_replaced_are_put_back_at_exit(tmp_path):
+    """SIGTERM, SIGINT and SIGHUP only enqueue while the daemon runs; at exit the handlers it
+    replaced are back (an embedding program's, not SIG_DFL)."""
+    def mine(signum, frame):
+        pass
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    signal.signal(signal.SIGHUP, mine)
+    try:
+        async def scenario():
+            sup = FakeSupervisor(settings(tmp_path))
+            owner = asyncio.create_task(sup.run())
+            await wait_for(lambda: sup.state is State.READY)
+            assert signal.getsignal(signal.SIGHUP) is not mine  # the loop's, while it runs
+            sup.post(SignalReceived(signal.SIGTERM))
+            return await owner
+
+        assert run(scenario()) == 0
+        assert signal.getsignal(signal.SIGHUP) is mine
+        assert signal.getsignal(signal.SIGTERM) == before[signal.SIGTERM]
+        assert signal.getsignal(signal.SIGINT) == before[signal.SIGINT]
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
