@@ -307,7 +307,7 @@ class Owner:
             return
         if event.fatal:
             rep.machine.transition(R.STOPPED, event.error)
-            self._fail(event.error)
+            self._fail(event.error, EXIT_RAY_LOST)
             return
         if event.error:
             self._build_failed(rep, None, event.error)
@@ -550,14 +550,14 @@ class Owner:
         elif not self.state.terminal:
             self._begin_stop(f"{signal.Signals(event.signum).name} received")
 
-    def _fail(self, reason: str) -> None:
-        """The daemon gives up: the recoveries under way close as failed, then it stops (exit 75
-        while the Ray cluster is lost, else 3)."""
+    def _fail(self, reason: str, code: int = EXIT_FAILED) -> None:
+        """The daemon gives up (exit ``code``: 3, or 75 when the Ray cluster did not come back):
+        the recoveries under way close as failed, then it stops."""
         if self.state is State.STOPPING or self.state.terminal:
             return
         for rep in self.replicas:
             self._close_record(rep, ok=False)
-        self.exit_code = EXIT_RAY_LOST if self.p.ray.cluster_lost else EXIT_FAILED
+        self.exit_code = code
         self._begin_stop(reason)
 
     def _begin_stop(self, reason: str) -> None:
