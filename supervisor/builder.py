@@ -25,6 +25,7 @@ from supervisor.raylink import RayLink
 log = logs.get_logger("vllm_supervisor.builder")
 
 
+
 class EngineBuilder:
     def __init__(self, settings: Settings, engine_args: Any, daemon_id: str, event_endpoint: str, ray: RayLink):
         self.settings = settings
@@ -40,6 +41,9 @@ class EngineBuilder:
         self._shm_owned: dict[int, set[str]] = {}  # generation -> the rings its build made (until torn down)
         self._shm_at_build_start: set[str] | None = None  # while a build runs: the rings before it began
         self._replica_metrics: Any = None  # executor.replica_metrics.ReplicaMetrics, with replicas
+        # rings of torn-down generations still mapped when their teardown stopped waiting: a
+        # worker that has not exited (stopped, or on a partitioned host); swept once unmapped
+        self._shm_deferred: set[str] = set()
 
     @property
     def world_size(self) -> int:
@@ -100,6 +104,7 @@ class EngineBuilder:
         epoch = self.config_epoch
         steps = None if testhooks.token_clock_only() else StepClock()
         with self._building:
+            self.sweep_deferred()
             shm_before = self._shm_before[number] = self._shm_at_build_start = vllm_segments()
             started = time.monotonic()
             log.info("building engine", engine_generation=number, instance_id=instance_id, replica=replica,
@@ -180,8 +185,28 @@ class EngineBuilder:
             if not self._rings_of(gen.shm_before) or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
+        if still := self._rings_of(gen.shm_before):
+            self._shm_deferred |= still
+            log.warning("rings still mapped after the teardown: swept once unmapped", engine_generation=gen.number,
+                        rings=sorted(still))
+        removed += self.sweep_deferred()
         log.info("engine torn down", engine_generation=gen.number, leftover_actors_killed=killed, stray_engine_cores=stray_cores,
                  shm_removed=removed, took_s=round(time.monotonic() - started, 2))
+
+    def sweep_deferred(self) -> list[str]:
+        """Remove the rings of torn-down generations that nothing maps any more (their last
+        worker exited: killed after a partition healed, say). Each build, teardown and the
+        stop call it."""
+        from executor.shm import sweep, vllm_segments
+
+        if not self._shm_deferred:
+            return []
+        self._shm_deferred &= vllm_segments()
+        removed = sweep(set(self._shm_deferred))
+        self._shm_deferred -= set(removed)
+        if removed:
+            log.info("rings of an earlier generation removed", rings=removed)
+        return removed
 
     def kill_stuck_workers(self, gen: Generation) -> None:
         from executor.engine import kill_engine_workers

@@ -166,6 +166,7 @@ class Recovery:
             except Exception:
                 log.exception("could not stop the standby")
             await asyncio.to_thread(self.ray.release)
+            await asyncio.to_thread(self.builder.sweep_deferred)  # the last workers went with the release
         except Exception:
             log.exception("error while stopping")
         finally:

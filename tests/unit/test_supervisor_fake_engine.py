@@ -308,6 +308,9 @@ class FakeBuilder:
     def kill_stuck_workers(self, gen):
         pass
 
+    def sweep_deferred(self):
+        return []
+
 
 class FakeSupervisor(Supervisor):
     """The real owner and request path over a ``FakeBuilder`` (with its ``FakeRayLink`` and
