@@ -15,6 +15,9 @@ The verbs, each what an operator's network does to a host:
 
 * ``partition(i)``: the host's link goes down: it is alive, its processes go on running, and no
   packet passes either way (TCP connections stall, they are not reset); ``heal(i)``: up again;
+* ``partition(i, side="head")``: the head's side loses the host instead: a blackhole route in
+  this namespace, so nothing from here (the Ray head, the daemon) reaches it, while what it sends
+  still arrives and is never answered (one-way at the IP level: TCP stalls both ways);
 * ``slow(i, rate)``: a rate limit (``tc qdisc … tbf``; this kernel has no ``netem``) on both
   directions of its link; ``unslow(i)``;
 * ``kill_node(i)``: every process of the host, SIGKILL (a power cut);
@@ -39,6 +42,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from executor.cluster import answers
 from executor.engine import kill_pids
 
 
@@ -64,7 +68,7 @@ class Host:
     veth: str  # its port on the switch's bridge
     address: str
     node_pids: list[int] = field(default_factory=list)
-    partitioned: bool = False
+    partitioned: str = ""  # "", "host" (its link down) or "head" (this namespace's route to it gone)
     slowed: str = ""
 
 
@@ -122,6 +126,8 @@ class Hosts:
         """Everything it made goes, whatever state it is in (called twice: the second does nothing)."""
         for h in self.hosts:
             self._kill_ns(h)
+            if h.partitioned == "head":
+                self.heal(h.index)
         if self._head_dir is not None:
             subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], capture_output=True,
                            env=self._head_env(), timeout=120)
@@ -143,7 +149,9 @@ class Hosts:
         namespaces = _ip("ip", "netns", "list", check=False).stdout.split()
         out = [ns for ns in [self.switch, *(h.ns for h in self.hosts)] if ns in namespaces]
         links = _ip("ip", "-o", "link", "show", check=False).stdout
-        return out + ([self.uplink] if f" {self.uplink}@" in links or f" {self.uplink}:" in links else [])
+        routes = _ip("ip", "route", "show", "type", "blackhole", check=False).stdout.split()
+        return (out + ([self.uplink] if f" {self.uplink}@" in links or f" {self.uplink}:" in links else [])
+                + [f"blackhole {h.address}" for h in self.hosts if h.address in routes])
 
     def _kill_ns(self, h: Host) -> list[int]:
         """SIGKILL every process in ``h``'s namespace (a host's power cut)."""
@@ -201,14 +209,26 @@ class Hosts:
 
     # --- the faults -----------------------------------------------------------------
 
-    def partition(self, i: int) -> None:
-        """Host ``i`` unreachable, alive: its link down (no packet passes either way)."""
-        _ip("ip", "link", "set", self.hosts[i].veth, "down", ns=self.switch)
-        self.hosts[i].partitioned = True
+    def partition(self, i: int, side: str = "host") -> None:
+        """Host ``i`` unreachable, alive. ``side="host"``: its link down (no packet passes either
+        way). ``side="head"``: this namespace's route to it is a blackhole (nothing from the
+        head and the daemon reaches it; what it sends arrives and is never answered)."""
+        h = self.hosts[i]
+        if side == "host":
+            _ip("ip", "link", "set", h.veth, "down", ns=self.switch)
+        elif side == "head":
+            _ip("ip", "route", "add", "blackhole", f"{h.address}/32")
+        else:
+            raise ValueError(f"side must be 'host' or 'head', not {side!r}")
+        h.partitioned = side
 
     def heal(self, i: int) -> None:
-        _ip("ip", "link", "set", self.hosts[i].veth, "up", ns=self.switch)
-        self.hosts[i].partitioned = False
+        h = self.hosts[i]
+        if h.partitioned == "head":
+            _ip("ip", "route", "del", "blackhole", f"{h.address}/32", check=False)
+        else:
+            _ip("ip", "link", "set", h.veth, "up", ns=self.switch)
+        h.partitioned = ""
 
     def slow(self, i: int, rate: str = "1mbit", burst: str = "32kbit", latency: str = "400ms") -> None:
         """A rate limit on both directions of host ``i``'s link (a token bucket: ``tc … tbf``)."""
@@ -232,16 +252,8 @@ class Hosts:
 
     def reachable(self, i: int, port: int, timeout_s: float = 1.0) -> bool:
         """Whether a TCP connection from this namespace to host ``i``'s ``port`` gets an answer
-        (accepted or refused) within ``timeout_s``."""
-        import socket
-
-        try:
-            with socket.create_connection((self.hosts[i].address, port), timeout=timeout_s):
-                return True
-        except ConnectionRefusedError:
-            return True
-        except OSError:
-            return False
+        (accepted or refused) within ``timeout_s`` (the daemon's own test: ``executor.cluster.answers``)."""
+        return answers(self.hosts[i].address, port, timeout_s)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import ray
@@ -33,6 +35,19 @@ CLAIM_RELEASE_WAIT_S = 10.0
 log = logging.getLogger("vllm_supervisor.cluster")
 
 SPREAD_WAIT_S = 5.0  # how long a replica's group waits for a node of its own before it may share one
+NODE_REACH_TIMEOUT_S = 1.0  # a raylet that does not answer a connection from here within this is unreachable
+
+
+def answers(address: str, port: int, timeout_s: float = NODE_REACH_TIMEOUT_S) -> bool:
+    """Whether a TCP connection from this host to ``address:port`` gets an answer within
+    ``timeout_s``: accepted or refused (the link works); a timeout or no route: no answer."""
+    try:
+        with socket.create_connection((address, port), timeout=timeout_s):
+            return True
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
 
 
 @dataclass
@@ -83,7 +98,8 @@ class RayCluster:
     # --- placement group -----------------------------------------------------------
 
     def create_placement_group(self, name: str, num_bundles: int, device: str,
-                               others: list[PlacementGroup] | tuple = (), first_bundle_here: bool = False) -> PlacementGroup:
+                               others: list[PlacementGroup] | tuple = (), first_bundle_here: bool = False,
+                               unreachable: dict[str, str] | None = None) -> PlacementGroup:
         """One bundle per worker ({"CPU": 1} or {"GPU": 1}); waits until it is placed.
 
         Replicas spread across nodes: when ``others`` (the other replicas' groups) hold
@@ -96,21 +112,31 @@ class RayCluster:
         node, which is this one: ``ray_utils._verify_bundles``; vLLM pins its own groups the
         same way).
 
+        ``unreachable`` (node id -> address, ``unreachable_nodes``): nodes Ray still counts
+        alive that this host cannot reach (a partition Ray's health checks have not caught
+        yet): no bundle goes there, for the whole wait. Without that, a group Ray places on
+        such a node waits until the link heals or Ray marks the node dead (30 s and more);
+        with it the group uses the capacity that is left, or times out naming those nodes
+        (the owner waits for capacity and asks again: a healed node is used again).
+
         Waiting retries with exponential backoff and jitter up to
         ``placement_timeout_s``; on timeout the error names what is missing.
         """
         bundles = [{device: 1.0} for _ in range(num_bundles)]
         here = [{NODE_ID_LABEL_KEY: ray.get_runtime_context().get_node_id()}] if first_bundle_here else []
-        used = sorted({n for pg in others for n in self.placement_group_nodes(pg)})
-        if used and any(n["Alive"] and n["NodeID"] not in used and n["Resources"].get(device, 0) >= num_bundles - len(here)
-                        for n in ray.nodes()):
-            avoid = here + [{NODE_ID_LABEL_KEY: f"!in({','.join(used)})"} for _ in bundles[len(here):]]
+        unreachable = unreachable or {}
+        shunned = sorted(unreachable)
+        used = sorted({n for pg in others for n in self.placement_group_nodes(pg)} - set(shunned))
+        if used and any(n["Alive"] and n["NodeID"] not in used and n["NodeID"] not in unreachable
+                        and n["Resources"].get(device, 0) >= num_bundles - len(here) for n in ray.nodes()):
+            avoid = here + [{NODE_ID_LABEL_KEY: f"!in({','.join(used + shunned)})"} for _ in bundles[len(here):]]
             pg = placement_group(bundles, strategy=self.settings.placement_strategy, name=name, bundle_label_selector=avoid)
             if pg.wait(timeout_seconds=SPREAD_WAIT_S):
                 return pg
             remove_placement_group(pg)
+        rest = [{NODE_ID_LABEL_KEY: f"!in({','.join(shunned)})"} if shunned else {} for _ in bundles[len(here):]]
         pg = placement_group(bundles, strategy=self.settings.placement_strategy, name=name,
-                             bundle_label_selector=here + [{} for _ in bundles[len(here):]] if here else None)
+                             bundle_label_selector=here + rest if here or shunned else None)
 
         @tenacity.retry(
             retry=tenacity.retry_if_result(lambda ready: not ready),
@@ -129,8 +155,24 @@ class RayCluster:
                 f"placement group {name!r} needs {num_bundles} bundle(s) of {{{device}: 1}} "
                 f"({self.settings.placement_strategy}); cluster has {total:g} {device}, "
                 f"{free:g} free; not placed within {self.settings.placement_timeout_s:g} s"
+                + (f"; not using node(s) unreachable from this host: {', '.join(sorted(unreachable.values()))}"
+                   if unreachable else "")
             )
         return pg
+
+    @staticmethod
+    def unreachable_nodes(timeout_s: float = NODE_REACH_TIMEOUT_S) -> dict[str, str]:
+        """Nodes Ray counts alive whose raylet this host cannot reach within ``timeout_s``:
+        node id -> address. A partitioned node stays alive to Ray until its health checks fail
+        (``RAY_health_check_*`` on the head: 30 s and more); a TCP connection to its raylet's
+        port from here says at once whether this host can reach it (accepted or refused both
+        mean the link works). One connection per node, all at once."""
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        if not nodes:
+            return {}
+        with ThreadPoolExecutor(max_workers=min(32, len(nodes))) as pool:
+            answered = list(pool.map(lambda n: answers(n["NodeManagerAddress"], int(n["NodeManagerPort"]), timeout_s), nodes))
+        return {n["NodeID"]: n["NodeManagerAddress"] for n, ok in zip(nodes, answered) if not ok}
 
     @staticmethod
     def placement_group_nodes(pg: PlacementGroup) -> list[str]:

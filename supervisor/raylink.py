@@ -68,9 +68,10 @@ class RayLink:
         return pg if self.cluster.call("placement_group_ready", pg) else None
 
     def ensure_placement_group(self, replica: int = 0) -> None:
-        """Reuse the replica's placement group while all its bundles are placed, else
-        re-create it, on a node that holds no other replica's group when there is one
-        (``RayCluster.create_placement_group``)."""
+        """Reuse the replica's placement group while all its bundles are placed on nodes this
+        host can reach, else re-create it, on a node that holds no other replica's group when
+        there is one, and never on a node this host cannot reach (a partition Ray has not
+        caught yet: ``RayCluster.create_placement_group``)."""
         if self.cluster is None:  # the mp executor: no Ray, no placement group
             return
         with self._placing:
@@ -79,21 +80,27 @@ class RayLink:
     def _ensure_placement_group(self, replica: int) -> None:
         from executor.engine import is_cpu_platform, uses_compiled_graph
 
+        unreachable = self.cluster.call("unreachable_nodes")  # partitioned from here, alive to Ray
         pg = self.placement_groups.get(replica)
         if pg is not None:
-            if self.cluster.call("placement_group_ready", pg):
+            cut_off = sorted(unreachable[n] for n in self.cluster.call("placement_group_nodes", pg) if n in unreachable)
+            if not cut_off and self.cluster.call("placement_group_ready", pg):
                 return
-            log.warning("placement group lost bundles; re-creating it", replica=replica)
+            log.warning("placement group lost bundles; re-creating it" if not cut_off else
+                        "placement group holds bundles on nodes this host cannot reach; re-creating it elsewhere",
+                        replica=replica, unreachable=cut_off)
             self.cluster.call("remove_placement_group", pg)
             del self.placement_groups[replica]
         device = "CPU" if is_cpu_platform() else "GPU"
         started = time.monotonic()
         others = [g for r, g in list(self.placement_groups.items()) if r != replica]
         pg = self.cluster.call("create_placement_group", self.placement_group_name(replica), self._world_size, device, others,
-                               uses_compiled_graph())  # its engine core (this node) must hold a bundle
+                               uses_compiled_graph(),  # its engine core (this node) must hold a bundle
+                               unreachable)
         self.placement_groups[replica] = pg
         log.info("placement group ready", replica=replica, bundles=self._world_size, device=device,
-                 nodes=self.cluster.call("placement_group_nodes", pg), took_s=round(time.monotonic() - started, 3))
+                 nodes=self.cluster.call("placement_group_nodes", pg), took_s=round(time.monotonic() - started, 3),
+                 avoided=sorted(unreachable.values()))
 
     def release(self) -> None:
         if self.cluster is None or self.cluster_lost:

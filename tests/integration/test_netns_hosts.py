@@ -86,6 +86,14 @@ def test_hosts_reach_each_other_until_partitioned_and_again_when_healed(hosts):
             time.sleep(0.2)
         clean = float(in_host(hosts, 1, CLIENT, hosts.hosts[0].address, "10").stdout.split()[1])
 
+        hosts.partition(0, side="head")  # the head's side: this namespace loses host 0, the hosts do not
+        assert not hosts.reachable(0, 7070)
+        got = in_host(hosts, 1, CLIENT, hosts.hosts[0].address, "5")
+        assert got.stdout.split()[0] == str(size), got.stderr  # host 1 → host 0 still passes
+        assert f"blackhole {hosts.hosts[0].address}" in hosts.leftovers()
+        hosts.heal(0)
+        assert hosts.reachable(0, 7070)
+
         hosts.slow(0, rate="400kbit", burst="16kbit", latency="2s")
         slow = in_host(hosts, 1, CLIENT, hosts.hosts[0].address, "30").stdout.split()
         assert slow[0] == str(size)
@@ -103,6 +111,7 @@ def test_close_removes_everything_even_when_the_test_raised():
     with pytest.raises(RuntimeError):
         with h:
             sleeper = subprocess.Popen(["ip", "netns", "exec", h.hosts[1].ns, "sleep", "600"])
+            h.partition(0, side="head")  # a route in this namespace: it must go too
             time.sleep(0.5)
             assert h.leftovers()  # made
             raise RuntimeError("a test failing half-way")
