@@ -18,6 +18,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -40,8 +42,9 @@ K8S_VERSIONS = ("1.30", kubernetes_validate.latest_version())
 
 # What the daemon does after its drain, each step bounded in the code: the engine's shutdown (5 s)
 # and the sweep of its rings (10 s: supervisor/builder.py, teardown), the warm standby's stop (30 s:
-# supervisor/recovery.py, finish_stop), uvicorn's graceful shutdown (5 s: supervisor/http.py).
-STOP_AFTER_DRAIN_S = 50
+# supervisor/recovery.py, finish_stop), a last sweep of the rings of workers killed at the stop
+# (10 s), uvicorn's graceful shutdown (5 s: supervisor/http.py). Rounded up.
+STOP_AFTER_DRAIN_S = 60
 # The first engine: weights read, CUDA graphs captured, kernels compiled. At least this long on top
 # of waiting for the placement group, before the start-up probe may give up.
 MODEL_LOAD_S = 600
@@ -165,23 +168,38 @@ def prestop_sleep_s(container: dict[str, Any]) -> int:
 # --- the daemon's own parser -------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def parsed(tmp_path_factory) -> dict[str, tuple[Any, Any]]:
+class DaemonView:
     """manifest -> (the daemon's resolved settings, vLLM's serve namespace), as the daemon in that
     container would resolve them: its command line, the ConfigMap's TOML behind
-    ``--supervisor-config`` and the container's environment (a Secret's value: a placeholder)."""
-    from supervisor.cli import parse_serve
+    ``--supervisor-config`` and the container's environment (a Secret's value: a placeholder).
+    Parsed once per manifest, when a test first asks; a command line the daemon refuses fails the
+    tests of that manifest with the daemon's own message."""
 
-    out = {}
-    for key, (name, pod, _) in PODS.items():
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.done: dict[str, tuple[Any, Any] | str] = {}
+
+    def __getitem__(self, key: str) -> tuple[Any, Any]:
+        if key not in self.done:
+            self.done[key] = self._parse(key)
+        if isinstance(self.done[key], str):
+            pytest.fail(self.done[key], pytrace=False)
+        return self.done[key]
+
+    def _parse(self, key: str) -> tuple[Any, Any] | str:
+        from config import ConfigError
+        from supervisor.cli import ServeArgsError, parse_serve
+
+        name, pod, _ = PODS[key]
         container = daemon_container(pod)
         argv = daemon_argv(container)
         assert "--supervisor-config" in argv, f"{name}: the daemon is not given its config file"
         i = argv.index("--supervisor-config") + 1
-        toml = tmp_path_factory.mktemp(key) / "config.toml"
+        toml = self.tmp / f"{key}.toml"
         toml.write_text(config_file(name, pod, container, argv[i]))
         argv = [*argv[:i], str(toml), *argv[i + 1:]]
         env = {e["name"]: e.get("value", f"placeholder-{e['name'].lower()}") for e in container.get("env", [])}
+        stderr = io.StringIO()
         with pytest.MonkeyPatch.context() as mp:
             for var in list(os.environ):
                 if var.startswith("VLLM_SUPERVISOR_"):
@@ -189,8 +207,18 @@ def parsed(tmp_path_factory) -> dict[str, tuple[Any, Any]]:
             for var, value in env.items():
                 if var.startswith("VLLM_SUPERVISOR_"):
                     mp.setenv(var, value)
-            out[key] = parse_serve(argv)  # raises on a flag or setting the daemon refuses
-    return out
+            try:
+                with contextlib.redirect_stderr(stderr):
+                    return parse_serve(argv)
+            except SystemExit:  # vLLM's argparse: the message is on stderr
+                return f"{name}: the daemon's parser refuses the command line: {stderr.getvalue().strip().splitlines()[-1]}"
+            except (ConfigError, ServeArgsError) as exc:
+                return f"{name}: the daemon refuses its configuration: {exc}"
+
+
+@pytest.fixture(scope="module")
+def parsed(tmp_path_factory) -> DaemonView:
+    return DaemonView(tmp_path_factory.mktemp("daemon-config"))
 
 
 # --- schemas ----------------------------------------------------------------------------------
