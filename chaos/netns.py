@@ -42,8 +42,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from executor import procfs
 from executor.cluster import answers
 from executor.engine import kill_pids
+from executor.reaper import descendants
 
 
 def _ip(*args: str, ns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
@@ -83,6 +85,8 @@ class Hosts:
         self.hosts = [Host(i, f"vsn{self.id}h{i}", f"h{i}", f"{self.prefix}.{10 + i}") for i in range(n)]
         self.head_address = ""  # host:port of the Ray head on the bridge, once ``start_head`` ran
         self._head_dir: Path | None = None
+        self._head_marks: list[bytes] = []  # its temporary directory and address, in its processes' command lines
+        self._head_procs: set[tuple[int, int]] = set()  # (pid, start time) of its processes seen so far
         self._env: dict[str, str] = {}
         self._made: list[str] = []  # namespaces to remove
 
@@ -128,9 +132,11 @@ class Hosts:
             self._kill_ns(h)
             if h.partitioned == "head":
                 self.heal(h.index)
-        if self._head_dir is not None:
-            subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], capture_output=True,
-                           env=self._head_env(), timeout=120)
+        if self._head_dir is not None:  # this head's processes only (``ray stop`` would end every cluster here)
+            for _ in range(50):
+                if not kill_pids(self._head_pids()):
+                    break
+                time.sleep(0.2)
         for name in self._made:
             _ip("ip", "netns", "del", name, check=False)
         self._made = []
@@ -140,18 +146,40 @@ class Hosts:
         while self.leftovers() and time.monotonic() < deadline:
             _ip("ip", "link", "del", self.uplink, check=False)
             time.sleep(0.2)
+        for h in self.hosts:
+            shutil.rmtree(f"/tmp/vsr{self.id}h{h.index}", ignore_errors=True)
         if self._head_dir is not None:
             shutil.rmtree(self._head_dir, ignore_errors=True)
             self._head_dir = None
 
+    def _head_pids(self) -> list[int]:
+        """The live processes of the Ray head this fixture started: those whose command lines
+        name its temporary directory or its address (its GCS, raylet, client server, the
+        Python processes beside them), their descendants (the agents, which rename
+        themselves), and every one seen so (``_remember_head``) that still runs."""
+        if not self._head_marks:
+            return []
+        table = procfs.process_table()
+        marked = [pid for pid in table if pid != os.getpid()
+                  and any(m in (procfs.read(pid, "cmdline") or b"") for m in self._head_marks)]
+        tree = {pid for pid, _ in self._head_procs if table.get(pid, (0, None))[1] == _}
+        for pid in marked:
+            tree |= {pid} | {child for child, _ in descendants(pid, table)}
+        return sorted(p for p in tree if procfs.running(p))
+
+    def _remember_head(self) -> None:
+        table = procfs.process_table()
+        self._head_procs |= {(pid, table[pid][1]) for pid in self._head_pids() if pid in table}
+
     def leftovers(self) -> list[str]:
-        """Namespaces and links of this fixture that still exist."""
+        """Namespaces, links, routes and Ray head processes of this fixture that still exist."""
         namespaces = _ip("ip", "netns", "list", check=False).stdout.split()
         out = [ns for ns in [self.switch, *(h.ns for h in self.hosts)] if ns in namespaces]
         links = _ip("ip", "-o", "link", "show", check=False).stdout
         routes = _ip("ip", "route", "show", "type", "blackhole", check=False).stdout.split()
         return (out + ([self.uplink] if f" {self.uplink}@" in links or f" {self.uplink}:" in links else [])
-                + [f"blackhole {h.address}" for h in self.hosts if h.address in routes])
+                + [f"blackhole {h.address}" for h in self.hosts if h.address in routes]
+                + [f"ray head pid {pid}" for pid in self._head_pids()])
 
     def _kill_ns(self, h: Host) -> list[int]:
         """SIGKILL every process in ``h``'s namespace (a host's power cut)."""
@@ -177,12 +205,14 @@ class Hosts:
         self._env = dict(env)
         self._head_dir = Path(f"/tmp/vsr{self.id}")  # short: Ray's socket paths are limited in length
         self._head_dir.mkdir(parents=True, exist_ok=True)
+        self._head_marks = [str(self._head_dir).encode(), f"={self.bridge_address}:{port}".encode()]
         subprocess.run(
             [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--node-ip-address={self.bridge_address}",
              f"--port={port}", "--num-cpus=0", "--include-dashboard=false", "--disable-usage-stats",
              f"--temp-dir={self._head_dir}"],
             check=True, capture_output=True, env=self._head_env(), timeout=180)
         self.head_address = f"{self.bridge_address}:{port}"
+        self._remember_head()
         return self.head_address
 
     def start_node(self, i: int, num_cpus: int = 1) -> None:
@@ -206,6 +236,7 @@ class Hosts:
             # multi-homed CPU node sets the same.
             env={**self._head_env(), "GLOO_SOCKET_IFNAME": "eth0"})
         h.node_pids = [int(p) for p in _ip("ip", "netns", "pids", h.ns).stdout.split() if p.isdigit()]
+        self._remember_head()  # the head's agents are up by now
 
     # --- the faults -----------------------------------------------------------------
 

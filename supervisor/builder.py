@@ -179,7 +179,11 @@ class EngineBuilder:
         self._shm_owned.pop(gen.number, None)
         self._shm_before.pop(gen.number, None)
         removed: list[str] = []
-        deadline = time.monotonic() + 10.0
+        # Killed workers take a moment to exit and unmap them; one on a host this one cannot
+        # reach (a partition) will not exit before the link is back: not waited for, its rings
+        # are swept once unmapped (``sweep_deferred``), off the recovery's critical path.
+        cut_off = self.ray.cut_off(gen.replica) if self.ray.cluster else []
+        deadline = time.monotonic() + (0.0 if cut_off else 10.0)
         while True:
             removed += sweep(self._rings_of(gen.shm_before))
             if not self._rings_of(gen.shm_before) or time.monotonic() > deadline:
@@ -188,24 +192,31 @@ class EngineBuilder:
         if still := self._rings_of(gen.shm_before):
             self._shm_deferred |= still
             log.warning("rings still mapped after the teardown: swept once unmapped", engine_generation=gen.number,
-                        rings=sorted(still))
+                        rings=sorted(still), unreachable=cut_off)
         removed += self.sweep_deferred()
         log.info("engine torn down", engine_generation=gen.number, leftover_actors_killed=killed, stray_engine_cores=stray_cores,
                  shm_removed=removed, took_s=round(time.monotonic() - started, 2))
 
-    def sweep_deferred(self) -> list[str]:
+    def sweep_deferred(self, wait_s: float = 0.0) -> list[str]:
         """Remove the rings of torn-down generations that nothing maps any more (their last
-        worker exited: killed after a partition healed, say). Each build, teardown and the
-        stop call it."""
+        worker exited: killed after a partition healed, say). Each build and teardown call it;
+        the stop waits up to ``wait_s`` for them (the daemon's last chance: a worker killed at
+        the stop may take seconds to exit on a loaded host)."""
         from executor.shm import sweep, vllm_segments
 
-        if not self._shm_deferred:
-            return []
-        self._shm_deferred &= vllm_segments()
-        removed = sweep(set(self._shm_deferred))
-        self._shm_deferred -= set(removed)
+        removed: list[str] = []
+        deadline = time.monotonic() + wait_s
+        while self._shm_deferred:
+            self._shm_deferred &= vllm_segments()
+            removed += sweep(set(self._shm_deferred))
+            self._shm_deferred -= set(removed)
+            if not self._shm_deferred or time.monotonic() >= deadline:
+                break
+            time.sleep(0.2)
         if removed:
             log.info("rings of an earlier generation removed", rings=removed)
+        if self._shm_deferred and wait_s:
+            log.warning("rings still mapped at the stop: left in /dev/shm", rings=sorted(self._shm_deferred))
         return removed
 
     def kill_stuck_workers(self, gen: Generation) -> None:

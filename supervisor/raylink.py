@@ -83,7 +83,7 @@ class RayLink:
         unreachable = self.cluster.call("unreachable_nodes")  # partitioned from here, alive to Ray
         pg = self.placement_groups.get(replica)
         if pg is not None:
-            cut_off = sorted(unreachable[n] for n in self.cluster.call("placement_group_nodes", pg) if n in unreachable)
+            cut_off = self.cut_off(replica, unreachable)
             if not cut_off and self.cluster.call("placement_group_ready", pg):
                 return
             log.warning("placement group lost bundles; re-creating it" if not cut_off else
@@ -101,6 +101,20 @@ class RayLink:
         log.info("placement group ready", replica=replica, bundles=self._world_size, device=device,
                  nodes=self.cluster.call("placement_group_nodes", pg), took_s=round(time.monotonic() - started, 3),
                  avoided=sorted(unreachable.values()))
+
+    def cut_off(self, replica: int, unreachable: dict[str, str] | None = None) -> list[str]:
+        """The addresses of the nodes holding ``replica``'s placement group that this host
+        cannot reach (``RayCluster.unreachable_nodes``; asked now unless given)."""
+        pg = self.placement_groups.get(replica)
+        if pg is None or self.cluster is None or self.cluster_lost:
+            return []
+        try:
+            if unreachable is None:
+                unreachable = self.cluster.call("unreachable_nodes")
+            return sorted(unreachable[n] for n in self.cluster.call("placement_group_nodes", pg) if n in unreachable) if unreachable else []
+        except Exception as exc:  # the agent gone: nothing known to be cut off
+            log.warning("could not tell which nodes are reachable", error=str(exc))
+            return []
 
     def release(self) -> None:
         if self.cluster is None or self.cluster_lost:

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 log = logs.get_logger("vllm_supervisor.recovery")
 
 Post = Callable[[Event], None]
+STOP_SWEEP_WAIT_S = 10.0  # how long the stop waits for killed workers to unmap their rings
 
 
 class Recovery:
@@ -166,7 +167,8 @@ class Recovery:
             except Exception:
                 log.exception("could not stop the standby")
             await asyncio.to_thread(self.ray.release)
-            await asyncio.to_thread(self.builder.sweep_deferred)  # the last workers went with the release
+            # the last workers went with the release: their rings, once they have exited
+            await asyncio.to_thread(self.builder.sweep_deferred, STOP_SWEEP_WAIT_S)
         except Exception:
             log.exception("error while stopping")
         finally:

@@ -139,3 +139,24 @@ def test_a_group_with_a_bundle_on_an_unreachable_node_is_made_again_elsewhere(mo
     if recreated:
         create = next(a for m, a in link.cluster.calls if m == "create_placement_group")
         assert create[-1] == unreachable  # and the new group avoids it
+
+
+def test_cut_off_names_the_replicas_nodes_this_host_cannot_reach():
+    """What the teardown asks before it waits for a killed worker to unmap its rings: one on a
+    host cut off will not exit before the link is back (``EngineBuilder.teardown``)."""
+    from supervisor.raylink import RayLink
+
+    link = RayLink(RaySettings(), "d1", lambda: (2, 1))
+    link.cluster = FakeAgent({"n2": "10.0.0.2", "n9": "10.0.0.9"}, ["n1", "n2"])
+    assert link.cut_off(0) == []  # no group yet
+    link.placement_groups[0] = "pg"
+    assert link.cut_off(0) == ["10.0.0.2"]
+    link.cluster.unreachable = {}
+    assert link.cut_off(0) == []
+
+    class Gone:
+        def call(self, method, *args):
+            raise RuntimeError("agent gone")
+
+    link.cluster = Gone()
+    assert link.cut_off(0) == []

@@ -308,7 +308,7 @@ class FakeBuilder:
     def kill_stuck_workers(self, gen):
         pass
 
-    def sweep_deferred(self):
+    def sweep_deferred(self, wait_s=0.0):
         return []
 
 
