@@ -7,7 +7,6 @@ import asyncio
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import time
@@ -19,22 +18,13 @@ import pytest
 
 from chaos.harness import BIN, Daemon, free_port
 from chaos.load import PROMPTS, as_reference, compare, run_with_fault
+from chaos.prom import ensure_prometheus
 
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "sekret-test-key"
 AUTH = {"authorization": f"Bearer {KEY}"}
-
-
-def ensure_prometheus() -> None:
-    """Debian's prometheus package (prometheus + promtool), installed when missing."""
-    if shutil.which("promtool") and shutil.which("prometheus"):
-        return
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    subprocess.run(["apt-get", "update", "-qq"], check=True, env=env, capture_output=True, timeout=600)
-    subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", "prometheus"],
-                   check=True, env=env, capture_output=True, timeout=900)
 
 
 @pytest.fixture(scope="module")
