@@ -47,6 +47,15 @@ def bundle_node(placement_group: Any, bundle_index: int) -> str:
     return placement_group_table(placement_group)["bundles_to_node_id"][bundle_index]
 
 
+def actor_node(handle: Any) -> str:
+    """The id of the node Ray's actor table places the actor of ``handle`` on ("" when it does
+    not say): read from the GCS, no call to the actor."""
+    from ray._private import state
+
+    info = state.actors(actor_id=handle._actor_id.hex()) or {}
+    return (info.get("Address") or {}).get("NodeID") or ""
+
+
 class AdoptingRay:
     """Stands in for the ``ray`` module inside vLLM's executor module while it creates its
     workers: ``ray.remote(cls).options(name=...).remote(**init)`` returns the standby named

@@ -128,7 +128,7 @@ class SupervisedRayExecutor(DeathReporter, _v2.RayExecutorV2):
         there is none or it cannot be adopted (vLLM then creates the actor): among others when
         it was created with other actor options than ``options`` (vLLM's, but for those a
         standby sets otherwise) or initialised CUDA while importing."""
-        from executor.adoption import bundle_node, claim_bundle, option_mismatch
+        from executor.adoption import actor_node, bundle_node, claim_bundle, option_mismatch
         from executor.cluster import CLAIM_PREFIX, WORKER_PREFIX, kill_handles
 
         name = options["name"]
@@ -140,6 +140,12 @@ class SupervisedRayExecutor(DeathReporter, _v2.RayExecutorV2):
         strategy = options["scheduling_strategy"]
         claim, claimed_ids = None, None
         try:
+            node_id = bundle_node(strategy.placement_group, strategy.placement_group_bundle_index)
+            # Asked of Ray's actor table, not of the standby: a standby on another node may be
+            # on one this host cannot reach (a partition, the reason for this very rebuild), and
+            # a call to it would wait until Ray marks that node dead (30 s and more).
+            if (where := actor_node(handle)) and where != node_id:
+                raise RuntimeError(f"it runs on node {where[:12]}, its rank's bundle is on {node_id[:12]}")
             info = ray.get(handle.standby_info.remote())
             differ = option_mismatch(info["created_with"], options)
             if differ or info["cuda_initialized"]:
@@ -147,7 +153,6 @@ class SupervisedRayExecutor(DeathReporter, _v2.RayExecutorV2):
                           else f"it initialised CUDA while importing (pid {info['pid']})")
                 logger.error("standby %s refused: %s", name, reason)
                 raise RuntimeError(reason)
-            node_id = bundle_node(strategy.placement_group, strategy.placement_group_bundle_index)
             if not current_platform.is_cpu():  # hold the bundle's device for the adopted worker
                 resources = {k: v for k, v in _v2.RayExecutorV2._get_actor_resource_kwargs().items()
                              if k in ("num_gpus", "resources")}

@@ -283,6 +283,7 @@ def adopting_executor(monkeypatch, caplog):
     monkeypatch.setattr(ray_v2, "ray", SimpleNamespace(get_actor=lambda name, namespace: found["standby"],
                                                        get=lambda ref: ref))
     monkeypatch.setattr(adoption, "bundle_node", lambda pg, index: "node-a")
+    monkeypatch.setattr(adoption, "actor_node", lambda handle: getattr(handle, "node", "node-a"))
     monkeypatch.setattr(cluster, "kill_handles", lambda handles: killed.extend(handles))
     executor = object.__new__(ray_v2.SupervisedRayExecutor)
     executor._standby_namespace, executor.adopted, executor._claims = "ns", {}, []
@@ -327,3 +328,23 @@ def test_adoption_guard_refuses_a_standby_that_initialised_cuda(vllm_config, ado
     assert executor._adopt_standby(vllm_worker_options(vllm_config), {"rank": 0}) is None
     assert standby.adopted == [] and killed == [standby]
     assert "CUDA" in caplog.text
+
+
+def test_a_standby_on_another_node_is_refused_without_a_call(vllm_config, adopting_executor, caplog):
+    """The standby of a rank whose host was partitioned: Ray's actor table says where it runs,
+    and a call to it would wait until Ray marks that host dead (47 s in the real-hosts test
+    before this check). Refused at once, killed, the worker created."""
+    from executor.standby import worker_options
+
+    executor, install, killed = adopting_executor
+    standby = FakeStandby(worker_options(vllm_config))
+    standby.node = "node-cut-off"
+
+    def hangs():
+        raise AssertionError("the standby was called")
+
+    standby.standby_info = SimpleNamespace(remote=hangs)
+    install(standby)
+    assert executor._adopt_standby(vllm_worker_options(vllm_config), {"rank": 1}) is None
+    assert standby.adopted == [] and killed == [standby] and executor.adopted == {}
+    assert "its rank's bundle is on node-a" in caplog.text
