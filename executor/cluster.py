@@ -38,14 +38,15 @@ SPREAD_WAIT_S = 5.0  # how long a replica's group waits for a node of its own be
 NODE_REACH_TIMEOUT_S = 1.0  # a raylet that does not answer a connection from here within this is unreachable
 
 
-def answers(address: str, port: int, timeout_s: float = NODE_REACH_TIMEOUT_S) -> bool:
+def answers(address: str, port: int, timeout_s: float = NODE_REACH_TIMEOUT_S, refused: bool = True) -> bool:
     """Whether a TCP connection from this host to ``address:port`` gets an answer within
-    ``timeout_s``: accepted or refused (the link works); a timeout or no route: no answer."""
+    ``timeout_s``: accepted, or refused when ``refused`` (the link works, nothing listens); a
+    timeout or no route: no answer."""
     try:
         with socket.create_connection((address, port), timeout=timeout_s):
             return True
     except ConnectionRefusedError:
-        return True
+        return refused
     except OSError:
         return False
 
@@ -162,16 +163,21 @@ class RayCluster:
 
     @staticmethod
     def unreachable_nodes(timeout_s: float = NODE_REACH_TIMEOUT_S) -> dict[str, str]:
-        """Nodes Ray counts alive whose raylet this host cannot reach within ``timeout_s``:
-        node id -> address. A partitioned node stays alive to Ray until its health checks fail
-        (``RAY_health_check_*`` on the head: 30 s and more); a TCP connection to its raylet's
-        port from here says at once whether this host can reach it (accepted or refused both
-        mean the link works). One connection per node, all at once."""
+        """Nodes Ray counts alive whose raylet does not accept a connection from this host
+        within ``timeout_s``: node id -> address. A partitioned node stays alive to Ray until
+        its health checks fail (``RAY_health_check_*`` on the head: 30 s and more), and so does
+        a node whose raylet just died (its host refuses the port) for a few seconds more; a TCP
+        connection to its raylet's port from here tells both at once. One connection per node,
+        all at once."""
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         if not nodes:
             return {}
         with ThreadPoolExecutor(max_workers=min(32, len(nodes))) as pool:
-            answered = list(pool.map(lambda n: answers(n["NodeManagerAddress"], int(n["NodeManagerPort"]), timeout_s), nodes))
+            answered = list(pool.map(lambda n: answers(n["NodeManagerAddress"], int(n["NodeManagerPort"]), timeout_s,
+                                                       refused=False), nodes))
+        if not any(answered):  # this very host's raylet among them: the check, not the network, is wrong here
+            log.warning("no raylet of %d accepts a connection from this host: placing as Ray says", len(nodes))
+            return {}
         return {n["NodeID"]: n["NodeManagerAddress"] for n, ok in zip(nodes, answered) if not ok}
 
     @staticmethod

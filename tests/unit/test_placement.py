@@ -78,7 +78,7 @@ def test_a_group_not_placed_names_the_unreachable_nodes(asked, monkeypatch):
         RayCluster(RaySettings(placement_timeout_s=0.1)).create_placement_group("pg", 16, "GPU", unreachable={OTHER: "10.0.0.2"})
 
 
-def test_unreachable_nodes_are_those_whose_raylet_does_not_answer(monkeypatch):
+def test_unreachable_nodes_are_those_whose_raylet_does_not_accept_a_connection(monkeypatch):
     import socket
 
     listening = socket.create_server(("127.0.0.1", 0))
@@ -101,7 +101,8 @@ def test_unreachable_nodes_are_those_whose_raylet_does_not_answer(monkeypatch):
         {"NodeID": "dead", "Alive": False, "NodeManagerAddress": "10.9.9.9", "NodeManagerPort": 1},
     ])
     try:
-        assert RayCluster.unreachable_nodes(timeout_s=0.5) == {"cut": "10.9.9.9"}
+        # cut off (no answer), or its raylet gone (the host refuses): neither gets a bundle
+        assert RayCluster.unreachable_nodes(timeout_s=0.5) == {"refusing": "127.0.0.1", "cut": "10.9.9.9"}
     finally:
         listening.close()
 
@@ -160,3 +161,12 @@ def test_cut_off_names_the_replicas_nodes_this_host_cannot_reach():
 
     link.cluster = Gone()
     assert link.cut_off(0) == []
+
+
+def test_when_no_raylet_accepts_the_check_is_not_trusted(monkeypatch):
+    """Every node unreachable, this host's own among them: a firewall on the raylet port, not a
+    partition. Placing as Ray says beats never placing."""
+    monkeypatch.setattr(cluster, "answers", lambda *a, **k: False)
+    monkeypatch.setattr(cluster.ray, "nodes", lambda: [
+        {"NodeID": n, "Alive": True, "NodeManagerAddress": "127.0.0.1", "NodeManagerPort": 1} for n in ("a", "b")])
+    assert RayCluster.unreachable_nodes() == {}
