@@ -82,8 +82,9 @@ class RayService(RayCluster):
         # Adopted standbys first, by handle (and their handles dropped: Ray ends an actor whose
         # creator holds none), so that a failing kill by name below cannot keep them.
         adopted = [a for a, (name, _) in self.handles.items() if names_instance(name, instance_id)]
+        names = [self.handles[a][0] for a in adopted]
         kill_handles([self.handles.pop(a)[1] for a in adopted])
-        return super().kill_instance_actors(instance_id)
+        return list(dict.fromkeys(names + super().kill_instance_actors(instance_id)))  # each once
 
     # --- the warm standby's workers (executor.standby) ----------------------------------
 
