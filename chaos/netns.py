@@ -121,10 +121,22 @@ class Hosts:
                 _ip("ip", "link", "set", "eth0", "up", ns=h.ns)
                 _ip("ip", "link", "set", "lo", "up", ns=h.ns)
                 _ip("ip", "route", "add", "default", "via", self.bridge_address, ns=h.ns)
+                self._name_files(h)
         except BaseException:
             self.close()
             raise
         return self
+
+    def _name_files(self, h: Host) -> None:
+        """``/etc/netns/<ns>/{hosts,resolv.conf}``, which ``ip netns exec`` mounts over the host's:
+        every host's name in ``hosts``, and a resolver on the namespace's own loopback, which
+        refuses at once. Without them a lookup there waits for a DNS server it cannot reach
+        (c10d's reverse lookup of a peer, 10 s at each TP group's start)."""
+        folder = Path("/etc/netns") / h.ns
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "hosts").write_text("127.0.0.1 localhost\n" + f"{self.bridge_address} head\n"
+                                      + "".join(f"{o.address} {o.ns}\n" for o in self.hosts))
+        (folder / "resolv.conf").write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
 
     def close(self) -> None:
         """Everything it made goes, whatever state it is in (called twice: the second does nothing)."""
@@ -140,6 +152,8 @@ class Hosts:
         for name in self._made:
             _ip("ip", "netns", "del", name, check=False)
         self._made = []
+        for h in self.hosts:
+            shutil.rmtree(Path("/etc/netns") / h.ns, ignore_errors=True)
         # A namespace's veth pairs go when the kernel frees it, a moment later (asynchronously);
         # the uplink still there is removed by name.
         deadline = time.monotonic() + 10
@@ -179,7 +193,8 @@ class Hosts:
         routes = _ip("ip", "route", "show", "type", "blackhole", check=False).stdout.split()
         return (out + ([self.uplink] if f" {self.uplink}@" in links or f" {self.uplink}:" in links else [])
                 + [f"blackhole {h.address}" for h in self.hosts if h.address in routes]
-                + [f"ray head pid {pid}" for pid in self._head_pids()])
+                + [f"ray head pid {pid}" for pid in self._head_pids()]
+                + [str(Path("/etc/netns") / h.ns) for h in self.hosts if (Path("/etc/netns") / h.ns).exists()])
 
     def _kill_ns(self, h: Host) -> list[int]:
         """SIGKILL every process in ``h``'s namespace (a host's power cut)."""

@@ -213,6 +213,7 @@ def test_a_slow_link_causes_no_recovery(tmp_path, hosts):
     try:
         d.wait_ready(400)
         ref = as_reference(asyncio.run(run_with_fault(d.base_url, len(PROMPTS), MAX_TOKENS))[0])
+        d.wait_standby()  # its preparation (vLLM imported in a worker per rank) would slow the clean rounds
         clean = [asyncio.run(run_with_fault(d.base_url, len(PROMPTS), MAX_TOKENS))[0] for _ in range(2)]  # warm, before
         victim = host_of_rank(d, hosts, 1)
         generation = d.status()["generation"]
