@@ -100,6 +100,7 @@ class Hosts:
 
     def make(self) -> "Hosts":
         sw = self.switch
+        self._clear_stale()
         try:
             _ip("ip", "netns", "add", sw)
             self._made.append(sw)
@@ -127,6 +128,18 @@ class Hosts:
             raise
         return self
 
+    @staticmethod
+    def _clear_stale() -> None:
+        """What an earlier run killed half-way (a CI timeout's SIGKILL) left: blackhole routes in
+        10.217.0.0/16 and ``/etc/netns/vsn*`` folders whose namespace is gone."""
+        for line in _ip("ip", "route", "show", "type", "blackhole", check=False).stdout.splitlines():
+            if (target := line.split()[1] if len(line.split()) > 1 else "").startswith("10.217."):
+                _ip("ip", "route", "del", "blackhole", target, check=False)
+        namespaces = set(_ip("ip", "netns", "list", check=False).stdout.split())
+        for folder in Path("/etc/netns").glob("vsn*"):
+            if folder.name not in namespaces:
+                shutil.rmtree(folder, ignore_errors=True)
+
     def _name_files(self, h: Host) -> None:
         """``/etc/netns/<ns>/{hosts,resolv.conf}``, which ``ip netns exec`` mounts over the host's:
         every host's name in ``hosts``, and a resolver on the namespace's own loopback, which
@@ -142,8 +155,7 @@ class Hosts:
         """Everything it made goes, whatever state it is in (called twice: the second does nothing)."""
         for h in self.hosts:
             self._kill_ns(h)
-            if h.partitioned == "head":
-                self.heal(h.index)
+            _ip("ip", "route", "del", "blackhole", f"{h.address}/32", check=False)  # whatever it was told since
         if self._head_dir is not None:  # this head's processes only (``ray stop`` would end every cluster here)
             for _ in range(50):
                 if not kill_pids(self._head_pids()):

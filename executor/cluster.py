@@ -35,7 +35,9 @@ CLAIM_RELEASE_WAIT_S = 10.0
 log = logging.getLogger("vllm_supervisor.cluster")
 
 SPREAD_WAIT_S = 5.0  # how long a replica's group waits for a node of its own before it may share one
-NODE_REACH_TIMEOUT_S = 1.0  # a raylet that does not answer a connection from here within this is unreachable
+# A raylet that does not accept a connection from here within this is unreachable: above Linux's first
+# SYN retransmission (1 s), so one lost packet does not shun a healthy node.
+NODE_REACH_TIMEOUT_S = 2.5
 
 
 def answers(address: str, port: int, timeout_s: float = NODE_REACH_TIMEOUT_S, refused: bool = True) -> bool:
