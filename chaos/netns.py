@@ -71,6 +71,7 @@ class Host:
     address: str
     node_pids: list[int] = field(default_factory=list)
     partitioned: str = ""  # "", "host" (its link down) or "head" (this namespace's route to it gone)
+    healed_monotonic: float = 0.0  # when its last partition ended
     slowed: str = ""
 
 
@@ -287,6 +288,7 @@ class Hosts:
         else:
             _ip("ip", "link", "set", h.veth, "up", ns=self.switch)
         h.partitioned = ""
+        h.healed_monotonic = time.monotonic()
 
     def slow(self, i: int, rate: str = "1mbit", burst: str = "32kbit", latency: str = "400ms") -> None:
         """A rate limit on both directions of host ``i``'s link (a token bucket: ``tc … tbf``)."""

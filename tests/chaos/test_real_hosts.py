@@ -39,6 +39,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.extended]
 MAX_TOKENS = 200
 HANG_TIMEOUT_S = 10.0
 SLOW_RATE = "512kbit"  # both directions of a rank's link
+SETTLE_AFTER_HEAL_S = 25.0  # Ray's health-check timeout (10 s) after the heal, with margin
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +72,11 @@ def revive(hosts: Hosts, only: set[int] | None = None) -> None:
             hosts.heal(h.index)
     inject.prepare(hosts.head_address)
     wanted = [h for h in hosts.hosts if only is None or h.index in only]
+    # Ray's health checks that were in flight at a heal may still fail it (a 10 s timeout each)
+    # and mark the host dead after it looked alive here: wait them out before trusting "alive".
+    if only is None and (settle := max((h.healed_monotonic + SETTLE_AFTER_HEAL_S for h in wanted), default=0)
+                         - time.monotonic()) > 0:
+        time.sleep(settle)
     for h in wanted:
         alive = any(n["Alive"] and n["NodeManagerAddress"] == h.address for n in ray.nodes())
         if not alive:
