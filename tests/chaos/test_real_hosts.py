@@ -95,6 +95,19 @@ def node_of(hosts: Hosts, address: str) -> str:
     return next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeManagerAddress"] == address)
 
 
+def largest_gap(records, after: float) -> float:
+    """The largest gap between two chunks any stream saw, counting the gaps that ended after ``after``."""
+    return max((b - a for r in records for a, b in zip(r.chunk_times, r.chunk_times[1:]) if b > after), default=0.0)
+
+
+def wait_actors_gone(hosts: Hosts, mark: str, what: str, timeout_s: float = 60) -> None:
+    """Wait until no live worker actor's name contains ``mark`` (a generation's instance suffix)."""
+    deadline = time.monotonic() + timeout_s
+    while alive := [w for w in inject.workers(hosts.head_address) if mark in w["name"]]:
+        assert time.monotonic() < deadline, f"{what} still alive after the heal: {alive}"
+        time.sleep(1)
+
+
 def tp2_daemon(tmp_path, hosts: Hosts, **supervisor) -> Daemon:
     config = {
         "engine": {"tensor_parallel_size": 2, "max_model_len": 1024},
@@ -155,7 +168,7 @@ def test_partition_of_a_rank_host_recovers_on_what_is_left_and_the_heal_fences_t
         rec = next(r for r in d.status()["recoveries"] if r["from_generation"] == 1)
         assert rec["reason"] == "hang" and rec["ok"], rec
         # the largest gap any stream saw after the partition: detection, teardown and the build
-        gap = max(b - a for r in records for a, b in zip(r.chunk_times, r.chunk_times[1:]) if b > seen["partitioned"])
+        gap = largest_gap(records, seen["partitioned"])
         print(json.dumps({"side": side, "detect_s": round(detect_s, 1), "largest_gap_s": round(gap, 1),
                           "ready_after_partition_s": round(rec["ready_monotonic"] - seen["partitioned"], 1),
                           "phases_s": {k: round(v, 2) for k, v in rec["phases_s"].items()}}))
@@ -164,9 +177,7 @@ def test_partition_of_a_rank_host_recovers_on_what_is_left_and_the_heal_fences_t
         # fenced: the zombie generation's actors are dead once the host is back, and none of
         # its processes runs on the healed host
         deadline = time.monotonic() + 90
-        while alive := [w for w in inject.workers(hosts.head_address) if "-g1" in w["name"]]:
-            assert time.monotonic() < deadline, f"the zombie generation's actors still alive after the heal: {alive}"
-            time.sleep(1)
+        wait_actors_gone(hosts, "-g1", "the zombie generation's actors", timeout_s=90)
         while set(w["pid"] for w in zombie) & set(hosts.pids(victim)):
             assert time.monotonic() < deadline, "a zombie worker still runs on the healed host"
             time.sleep(1)
@@ -204,7 +215,7 @@ def test_a_killed_rank_host_recovers_on_the_spare_host(tmp_path, hosts):
         assert summary["failed"] == 0 and summary["mismatched"] == 0, (summary, [r.error for r in records])
         rec = next(r for r in d.status()["recoveries"] if r["from_generation"] == 1)
         assert rec["ok"], rec
-        gap = max(b - a for r in records for a, b in zip(r.chunk_times, r.chunk_times[1:]) if b > seen["killed"])
+        gap = largest_gap(records, seen["killed"])
         print(json.dumps({"fault": "node killed", "reason": rec["reason"],
                           "detect_s": round(seen["detected"] - seen["killed"], 1), "largest_gap_s": round(gap, 1),
                           "ready_after_kill_s": round(rec["ready_monotonic"] - seen["killed"], 1),
@@ -295,8 +306,7 @@ def test_partition_with_replicas_moves_streams_to_the_other_host(tmp_path, hosts
         summary = compare(records, ref)
         assert summary["failed"] == 0 and summary["mismatched"] == 0, (summary, [r.error for r in records])
         # the largest gap any stream saw after the partition
-        gap = max((b - a for r in records for a, b in zip(r.chunk_times, r.chunk_times[1:]) if b > seen["partitioned"]),
-                  default=0.0)
+        gap = largest_gap(records, seen["partitioned"])
         s = d.status()
         assert s["state"] == "ready" and s["replicas"][1]["generation"] == before[1], s
         assert gap < 5.0, gap
@@ -308,10 +318,7 @@ def test_partition_with_replicas_moves_streams_to_the_other_host(tmp_path, hosts
         print(json.dumps({"largest_gap_s": round(gap, 2), "reason": rec["reason"],
                           "phases_s": {k: round(v, 2) for k, v in rec["phases_s"].items()}}))
         assert rec["reason"] == "hang" and rec["ok"], rec
-        deadline = time.monotonic() + 60
-        while alive := [w for w in inject.workers(hosts.head_address) if f"-g{before[0]}" in w["name"]]:
-            assert time.monotonic() < deadline, f"the zombie generation's actors still alive after the heal: {alive}"
-            time.sleep(1)
+        wait_actors_gone(hosts, f"-g{before[0]}", "the zombie generation's actors")
         revive(hosts)
         stop_and_check(d, hosts)
     finally:
@@ -353,10 +360,8 @@ def test_the_daemon_alone_fences_an_adopted_zombie_after_a_short_partition(tmp_p
         records, _ = asyncio.run(run_with_fault(d.base_url, len(PROMPTS), MAX_TOKENS, short_partition))
         summary = compare(records, ref)
         assert summary["failed"] == 0 and summary["mismatched"] == 0, (summary, [r.error for r in records])
-        deadline = time.monotonic() + 60
-        while alive := [w for w in inject.workers(hosts.head_address) if "-g2" in w["name"]]:
-            assert time.monotonic() < deadline, f"the adopted zombie generation's actors still alive after the heal: {alive}"
-            time.sleep(1)
+        deadline = time.monotonic() + 60  # both waits together, as before
+        wait_actors_gone(hosts, "-g2", "the adopted zombie generation's actors")
         while left := set(w["pid"] for w in zombie) & set(hosts.pids(victim)):
             assert time.monotonic() < deadline, f"zombie worker processes still run on the healed host: {left}"
             time.sleep(1)
