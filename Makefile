@@ -80,13 +80,14 @@ chaos: extended
 	$(PY) -m chaos.stress --streams $(STREAMS) --out reports
 	VLLM_SUPERVISOR_FUZZ_S=$(FUZZ_S) $(PY) -m pytest -q -s fuzz/test_schemathesis.py
 
-# Benchmarks (tens of minutes): serving overhead vs vllm serve (at a fixed rate and at saturation), recovery vs cold start and
+# Benchmarks (tens of minutes): serving overhead vs vllm serve (at a fixed rate and at saturation; py-spy profiles of both), recovery vs cold start and
 # process restart, 1 vs 2 replicas under load (live migration), prefix-aware routing vs least streams, idle workers per Ray executor, the whole tree idle (vs vllm serve), hang detection on a long prefill, and a 50-fault soak with trend plot. Results: bench/results/.
 bench: venv
 	$(PY) -m pip install --quiet $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e ".[$(FLAVOR),test,bench]"
 	$(PY) -m pip uninstall --yes --quiet $(UNINSTALL) 2>/dev/null || true
 	$(PY) -m bench.serving_overhead --rounds 8
 	$(PY) -m bench.serving_overhead --saturation --rounds 3
+	$(PY) -m bench.profile --kinds vllm_serve daemon_standby_none
 	$(PY) -m bench.request_path --rounds 5 --json bench/results/request-path.json
 	$(PY) -m bench.recovery --tp 1 2 --kills 5 --anchors 2
 	$(PY) -m bench.migration --clients 16 --tokens 200 --kills 2

@@ -114,8 +114,9 @@ def plain_vllm_serve(workdir: Path, *extra: str, max_model_len: int = 256) -> It
         server.stop()
 
 
-def start_daemon(workdir: Path, head: RayHead, tp: int = 1, max_model_len: int = 1024, **supervisor: Any) -> Daemon:
-    config = {"engine": {"tensor_parallel_size": tp, "max_model_len": max_model_len},
+def start_daemon(workdir: Path, head: RayHead, tp: int = 1, max_model_len: int = 1024, executor: str = "ray",
+                 **supervisor: Any) -> Daemon:
+    config = {"engine": {"tensor_parallel_size": tp, "max_model_len": max_model_len, "executor": executor},
               "ray": {"address": head.address}, "supervisor": supervisor}
     # the same front-end flag as VllmServe: vLLM's access log off in both
     return Daemon(workdir, config, env=OPERATOR_ENV, args=("--disable-uvicorn-access-log",)).start()

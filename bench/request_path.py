@@ -86,8 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", type=Path, help="write the rows here too")
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory() as work:
-        rows = asyncio.run(_measure(args, Path(work)))
+    import uvloop
+
+    with tempfile.TemporaryDirectory() as work:  # on the daemon's event loop (supervisor.cli.run)
+        rows = uvloop.run(_measure(args, Path(work)))
     med = {p: statistics.median(r["us_per_token"] for r in rows if r["path"] == p) for p in dict.fromkeys(r["path"] for r in rows)}
     base, daemon = list(med.values())
     lines = [f"{args.requests} requests x {args.tokens} tokens, {args.concurrency} at once, {args.rounds} rounds (median)"]

@@ -38,15 +38,20 @@ METRICS = [
     ("p99_itl_ms", "ITL p99", "lower"),
     ("cpu_ms_per_token", "CPU per output token (ms, whole tree)", "lower"),
 ]
-LABELS = {"vllm_serve": "vllm serve", "daemon": "daemon (defaults)", "daemon_standby_none": "daemon, standby none"}
+LABELS = {"vllm_serve": "vllm serve", "daemon": "daemon (defaults)", "daemon_standby_none": "daemon, standby none",
+          "vllm_serve_mp": "vllm serve (mp)", "daemon_mp": "daemon (mp)"}
+# Each daemon is compared with `vllm serve` on the same executor: supervision's own cost is the
+# difference within each pair (Ray V2 with our executor class on the same Ray head; vLLM's `mp`).
+BASELINE = {"daemon": "vllm_serve", "daemon_standby_none": "vllm_serve", "daemon_mp": "vllm_serve_mp"}
 
 
 def start(kind: str, work: Path, head: RayHead):
-    if kind == "vllm_serve":
-        server = VllmServe(work, head).start()
+    if kind in ("vllm_serve", "vllm_serve_mp"):
+        server = VllmServe(work, head if kind == "vllm_serve" else None).start()
         server.wait_ready()
         return server
-    server = start_daemon(work, head, **({"standby": "none"} if kind == "daemon_standby_none" else {}))
+    server = start_daemon(work, head, executor="mp" if kind == "daemon_mp" else "ray",
+                          **({"standby": "none"} if kind in ("daemon_standby_none", "daemon_mp") else {}))
     server.wait_ready()
     if kind == "daemon":
         server.wait_standby()  # its standby built before the run, as in a server that has been up a while
@@ -88,8 +93,11 @@ def main() -> int:
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    kinds = args.kinds or (["vllm_serve", "daemon", "daemon_standby_none"] if args.saturation else ["vllm_serve", "daemon"])
-    assert kinds[0] == "vllm_serve", "vllm serve is the baseline: name it first"
+    kinds = args.kinds or (["vllm_serve", "daemon", "daemon_standby_none", "vllm_serve_mp", "daemon_mp"]
+                           if args.saturation else ["vllm_serve", "daemon"])
+    missing = {BASELINE[k] for k in kinds if k in BASELINE} - set(kinds)
+    assert not missing, f"each daemon is compared with its baseline: add {sorted(missing)}"
+    daemons = [k for k in kinds if k in BASELINE]
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
     head = RayHead(num_cpus=2).start()
@@ -112,22 +120,22 @@ def main() -> int:
     rows = []
     for key, label, better in METRICS:
         row = {"metric": label, "key": key, "better": better, **{k: [x[key] for x in runs[k]] for k in kinds}}
-        for k in kinds[1:]:
-            row[f"ratios_{k}"] = [d[key] / v[key] for d, v in zip(runs[k], runs["vllm_serve"]) if v[key]]
+        for k in daemons:
+            row[f"ratios_{k}"] = [d[key] / v[key] for d, v in zip(runs[k], runs[BASELINE[k]]) if v[key]]
         rows.append(row)
     mode = (f"saturation: {args.max_concurrency} streams always in flight, no rate limit" if args.saturation
             else f"{args.rate:g} req/s")
     table = [
         f"Serving overhead, {time.strftime('%Y-%m-%d')}: {args.rounds} alternating rounds, {args.num_prompts} prompts, "
-        f"{mode}, {args.input_len} in / {args.output_len} out tokens, TP=1, demo model on CPU, all on one Ray head",
+        f"{mode}, {args.input_len} in / {args.output_len} out tokens, TP=1, demo model on CPU, Ray V2 servers on one Ray head, mp servers without Ray",
         "",
-        "| metric | " + " | ".join(f"ratio {LABELS[k]} / vllm serve (min / median / max)" for k in kinds[1:]) + " | "
+        "| metric | " + " | ".join(f"ratio {LABELS[k]} / {LABELS[BASELINE[k]]} (min / median / max)" for k in daemons) + " | "
         + " | ".join(f"{LABELS[k]} (median)" for k in kinds) + " |",
-        "| --- | " + " | ".join("---" for _ in kinds[1:]) + " | " + " | ".join("---" for _ in kinds) + " |",
+        "| --- | " + " | ".join("---" for _ in daemons) + " | " + " | ".join("---" for _ in kinds) + " |",
     ]
     for row in rows:
         table.append(f"| {row['metric']} ({row['better']} is better) | "
-                     + " | ".join(spread(row[f"ratios_{k}"]) for k in kinds[1:]) + " | "
+                     + " | ".join(spread(row[f"ratios_{k}"]) for k in daemons) + " | "
                      + " | ".join(f"{statistics.median(row[k]):.2f}" for k in kinds) + " |")
     table += [
         "", "Each round (request/s, output tok/s, TTFT p50 ms, ITL p50 ms, CPU-ms per token):", "",

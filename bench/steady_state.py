@@ -60,7 +60,7 @@ def idle_window(root: int, window_s: float, marker: str | None = None) -> dict[s
         if now is not None:
             name = f"{title(pid)} ({pid})"
             per[name] = round(100 * (now - (before.get(pid) or 0.0)) / window_s, 2)
-    top = dict(sorted(per.items(), key=lambda kv: -kv[1])[:6])
+    top = dict(sorted(per.items(), key=lambda kv: -kv[1])[:12])
     pss = {f"{title(pid)} ({pid})": round(pss_kib(pid) / 1024) for pid in pids}
     return {"cpu_pct": round(sum(per.values()), 2), "pss_mib": sum(pss.values()), "processes": len(pids), "top": top,
             "pss_top": dict(sorted(pss.items(), key=lambda kv: -kv[1])[:8])}
@@ -107,8 +107,8 @@ def vllm_serve(work: Path, tp: int, ray: bool, args) -> dict[str, Any]:
             head.stop()
 
 
-def supervisor_serve(work: Path, tp: int, standby: str, args) -> dict[str, Any]:
-    config = {"engine": {"tensor_parallel_size": tp}, "supervisor": {"standby": standby}}
+def supervisor_serve(work: Path, tp: int, standby: str, args, executor: str = "ray") -> dict[str, Any]:
+    config = {"engine": {"tensor_parallel_size": tp, "executor": executor}, "supervisor": {"standby": standby}}
     with Daemon(work, config, args=("--disable-uvicorn-access-log",)).start() as daemon:
         daemon.wait_ready()
         warm_up(daemon.base_url, args.requests)
@@ -130,8 +130,11 @@ SERVERS = {
     "vllm serve on Ray V2": lambda work, tp, args: vllm_serve(work, tp, True, args),
     "vllm-supervisor serve (defaults: Ray V2, warm standby)": lambda work, tp, args: supervisor_serve(work, tp, "warm", args),
     "vllm-supervisor serve, standby none": lambda work, tp, args: supervisor_serve(work, tp, "none", args),
+    "vllm-supervisor serve --distributed-executor-backend mp": lambda work, tp, args: supervisor_serve(work, tp, "none", args, "mp"),
 }
-ANCHOR = {"vllm serve": None, "vllm serve on Ray V2": "vllm serve"}  # the daemon's rows: the Ray anchor
+# vllm serve on Ray V2 against vllm serve; each daemon against vllm serve on its executor
+ANCHOR = {"vllm serve": None, "vllm serve on Ray V2": "vllm serve",
+          "vllm-supervisor serve --distributed-executor-backend mp": "vllm serve"}
 RAY_ANCHOR = "vllm serve on Ray V2"
 
 

@@ -182,10 +182,14 @@ def _check_config(argv: list[str]) -> int:
 
 
 def run(settings: Settings, engine_args: Any, reload: Any = None) -> int:
+    import uvloop
+
     from supervisor import logs
 
     logs.configure(settings.supervisor.log_level, settings.supervisor.log_format)
-    return asyncio.run(_serve(settings, engine_args, reload))
+    # uvloop, as `vllm serve` runs its server: the standard loop's Python transports cost the
+    # request path about twice the CPU per streamed token (bench.profile, docs/benchmarks.md)
+    return uvloop.run(_serve(settings, engine_args, reload))
 
 
 async def _serve(settings: Settings, engine_args: Any, reload: Any = None) -> int:

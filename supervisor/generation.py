@@ -50,7 +50,7 @@ class Generation:
     shm_before: set[str]
     build_s: float
     # request stream task -> (start time, its output queue)
-    pumps: dict[asyncio.Task, tuple[float, asyncio.Queue]] = field(default_factory=dict)
+    pumps: dict[asyncio.Task, tuple[float, Any]] = field(default_factory=dict)
     # cancelled streams still inside AsyncLLM.generate's abort of a dead engine
     lingering: set[asyncio.Task] = field(default_factory=set)
     failed: bool = False
@@ -122,7 +122,7 @@ class Generation:
         """Park every request of this generation now. The consumer is told directly: a
         cancelled ``AsyncLLM.generate`` awaits an abort that a dead engine never answers."""
         for task, (_start, queue) in list(self.pumps.items()):
-            queue.put_nowait(Interrupted())
+            queue.put(Interrupted())
             task.cancel()
 
 

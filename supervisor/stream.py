@@ -11,9 +11,11 @@ fault-free run. A request that sees its engine die says so (``Dispatcher.engine_
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from typing import Any, AsyncGenerator, AsyncIterator, Callable, Iterable
 
+from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind
 
 from supervisor import logs, testhooks
@@ -179,7 +181,9 @@ class Streams:
                 except NotContinuable as exc:
                     raise RequestFailed(f"request interrupted by an engine failure and cannot be continued exactly ({exc}); retry it") from None
                 rid = request_id if attempt == 0 else f"{request_id}-c{attempt}"
-                stream = self.pump(gen, engine_prompt, sub, rid, kw, client_id=client_id, choice=request_id)
+                # a test hold judges each token as it comes: no merging under it
+                stream = self.pump(gen, engine_prompt, sub, rid, kw, client_id=client_id, choice=request_id,
+                                   merge=req.delta and hold_at is None)
                 try:
                     async for out in stream:
                         out = req.take(out)
@@ -276,10 +280,11 @@ class Streams:
 
     async def pump(self, gen: Generation, prompt: Any, params: Any, request_id: str,
                    kwargs: dict[str, Any] | None = None, client_id: str | None = None,
-                   choice: str | None = None) -> AsyncIterator[Any]:
+                   choice: str | None = None, merge: bool = False) -> AsyncIterator[Any]:
         """Run the engine's stream in a task of its own, so a recovery can interrupt it
-        (a hung engine never raises by itself)."""
-        queue: asyncio.Queue[Any] = asyncio.Queue()
+        (a hung engine never raises by itself). ``merge``: a reader that falls behind reads the
+        outputs waiting for it as one (``Outputs``), as ``vllm serve``'s front reads ``AsyncLLM``."""
+        queue = Outputs(merge)
         client_id = client_id or request_id
         choice = choice or client_id
 
@@ -287,13 +292,13 @@ class Streams:
             try:
                 async for out in gen.engine.generate(prompt, params, request_id, **(kwargs or {})):
                     gen.last_output_monotonic = time.monotonic()
-                    queue.put_nowait(out)
-                queue.put_nowait(_END)
+                    queue.put(out)
+                queue.put(_END)
             except asyncio.CancelledError:
-                queue.put_nowait(Interrupted())
+                queue.put(Interrupted())
                 raise
             except BaseException as exc:
-                queue.put_nowait(exc)
+                queue.put(exc)
 
         if gen.failed:
             raise Interrupted()
@@ -319,3 +324,34 @@ class Streams:
                 task.cancel()
                 gen.lingering.add(task)
                 task.add_done_callback(gen.lingering.discard)
+
+
+class Outputs:
+    """The outputs an engine stream produced and its reader has not read yet, in order. With
+    ``merge`` (a ``DELTA`` stream), a new output joins the one still waiting, by vLLM's own
+    ``RequestOutput.add`` as its ``RequestOutputCollector`` does: a reader that falls behind
+    (a loaded front) writes one chunk for the tokens of several engine steps instead of a
+    chunk per step, and catches up. The end and an error queue behind what is waiting: the
+    tokens produced before them are still read."""
+
+    def __init__(self, merge: bool):
+        self.merge = merge
+        self._items: collections.deque[Any] = collections.deque()
+        self._ready = asyncio.Event()
+
+    def put(self, item: Any) -> None:
+        last = self._items[-1] if self._items else None
+        if self.merge and isinstance(item, RequestOutput) and isinstance(last, RequestOutput):
+            last.add(item, aggregate=True)
+            return
+        self._items.append(item)
+        self._ready.set()
+
+    def empty(self) -> bool:
+        return not self._items
+
+    async def get(self) -> Any:
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        return self._items.popleft()
