@@ -51,3 +51,23 @@ def go_idle(mq: Any) -> bool:
         return False
     spin.last_read = 0.0
     return True
+
+
+class CanaryIdle:
+    """A vLLM worker (``WorkerProc``: the ``mp`` executor's, and Ray V2's ``RayWorkerProc``)
+    that, after the empty step freeing a step that held only canaries, waits for the next step
+    without spinning (``go_idle``)."""
+
+    _canary_step = False
+
+    def _execute_worker_rpc(self, rpc_request: tuple) -> None:
+        super()._execute_worker_rpc(rpc_request)  # type: ignore[misc]
+        method, args, kwargs = rpc_request[0], rpc_request[1], rpc_request[2]
+        if method != "execute_model":
+            return
+        serves = step_serves_clients(args[0] if args else kwargs.get("scheduler_output"))
+        if serves is None and self._canary_step:
+            # the empty step that frees a finished canary ends its work: wait without spinning
+            # (not sooner: the empty step is written while the canary's last reply is read)
+            go_idle(self.rpc_broadcast_mq)  # type: ignore[attr-defined]
+        self._canary_step = serves is False

@@ -8,11 +8,13 @@ No Ray and no placement group are involved.
 
 from __future__ import annotations
 
+import multiprocessing
 import signal
 import threading
 import time
 
-from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+from vllm.v1.executor import multiproc_executor
+from vllm.v1.executor.multiproc_executor import MultiprocExecutor, WorkerProc
 
 from executor import canary, resume
 from executor.reporting import DeathReporter, Dead
@@ -20,11 +22,29 @@ from executor.reporting import DeathReporter, Dead
 canary.bound_lost_wakeup()  # the engine core's readers, and the workers it forks
 
 
+class SupervisedWorkerProc(canary.CanaryIdle, WorkerProc):
+    """vLLM's worker process; after a step that held only the idle canary it waits for the
+    next step without spinning (``executor.canary``: else every canary costs the worker a
+    second of a core, 3 points of idle CPU with the default 30 s canary)."""
+
+
+# ``WorkerProc.worker_main`` builds the module's ``WorkerProc``. The executor sets it while it
+# starts its workers (a forked worker keeps it); a spawned worker imports this module while its
+# arguments are unpickled (they name the executor class), under vLLM's process name for it. Not
+# for good in every process: Ray V2's ``RayWorkerProc`` subclasses vLLM's own class.
+if multiprocessing.current_process().name.startswith("VllmWorker"):
+    multiproc_executor.WorkerProc = SupervisedWorkerProc
+
+
 class SupervisedMultiprocExecutor(DeathReporter, MultiprocExecutor):
     def _init_executor(self) -> None:
         self._wire()
         resume.install()  # continued requests' grammars start where they stopped
-        super()._init_executor()
+        multiproc_executor.WorkerProc = SupervisedWorkerProc
+        try:
+            super()._init_executor()
+        finally:
+            multiproc_executor.WorkerProc = WorkerProc
         self._handles = list(self.workers)  # shutdown() may drop self.workers
 
     def _late_dead(self) -> list[Dead]:

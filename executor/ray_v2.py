@@ -44,12 +44,11 @@ canary.bound_lost_wakeup()  # in the engine core and in every worker: both impor
 logger = logging.getLogger("vllm.supervisor.executor")
 
 
-class SupervisedRayWorkerProc(_v2.RayWorkerProc):
+class SupervisedRayWorkerProc(canary.CanaryIdle, _v2.RayWorkerProc):
     """The worker actor. On CPU, Ray assigns no accelerator ids. After a step that held only
     the supervisor's idle canary it waits for the next step without spinning
     (``executor.canary``). A continued request's past counts in its sampler (``executor.history``)."""
 
-    _canary_step = False
     _poison_hook: bool | None = None  # the test hooks' query of death (executor.testhooks), read once
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -64,15 +63,7 @@ class SupervisedRayWorkerProc(_v2.RayWorkerProc):
             if self._poison_hook and testhooks.poisoned(args[0] if args else kwargs.get("scheduler_output")):
                 logger.error("test hook: a poisoned request entered the batch; this worker dies (pid %d)", os.getpid())
                 os.kill(os.getpid(), signal.SIGKILL)
-        super()._execute_worker_rpc(rpc_request)
-        if method != "execute_model":
-            return
-        serves = canary.step_serves_clients(args[0] if args else kwargs.get("scheduler_output"))
-        if serves is None and self._canary_step:
-            # the empty step that frees a finished canary ends its work: wait without spinning
-            # (not sooner: the empty step is written while the canary's last reply is read)
-            canary.go_idle(self.rpc_broadcast_mq)
-        self._canary_step = serves is False
+        super()._execute_worker_rpc(rpc_request)  # canary.CanaryIdle, then vLLM's
 
     def get_node_and_physical_gpu_ids(self) -> tuple[str, list[int]]:
         if current_platform.is_cpu():
