@@ -24,32 +24,25 @@ import threading
 import time
 from pathlib import Path
 
-from bench.common import VllmServe, base_parser, bench_serve, start_daemon, tree, tree_cpu_s
+from bench.common import base_parser, bench_serve, tree, tree_cpu_s
+from bench.serving_overhead import LABELS, start
 from chaos import inject
 from chaos.harness import RayHead
 from executor import procfs
 
-PY_SPY = "py-spy"
-KINDS = ("vllm_serve", "vllm_serve_mp", "daemon", "daemon_standby_none", "daemon_mp")
-
-
-def start(kind: str, work: Path, head: RayHead):
-    if kind.startswith("vllm_serve"):
-        server = VllmServe(work, None if kind == "vllm_serve_mp" else head).start()
-        server.wait_ready()
-        return server
-    supervisor = {"daemon": {}, "daemon_standby_none": {"standby": "none"}, "daemon_mp": {"standby": "none"}}[kind]
-    server = start_daemon(work, head, executor="mp" if kind == "daemon_mp" else "ray", **supervisor)
-    server.wait_ready()
-    if kind == "daemon":
-        server.wait_standby()
-    return server
+KINDS = tuple(LABELS)  # bench.serving_overhead's servers, started as it starts them
 
 
 def name_of(pid: int) -> str:
     cmd = (procfs.read(pid, "cmdline") or b"").replace(b"\0", b" ").decode(errors="replace").strip()
     comm = (procfs.read(pid, "comm") or b"").decode(errors="replace").strip()
     return f"{comm}: {cmd[:90]}"
+
+
+def short(frame: str) -> str:
+    """py-spy's ``func (path/to/file.py:123)`` as ``func (file.py)``: one entry per function."""
+    name, _, where = frame.partition(" (")
+    return f"{name} ({where.split(':')[0].rsplit('/', 1)[-1]})" if where else frame
 
 
 def top_frames(collapsed: Path, n: int = 15) -> dict[str, list[tuple[str, int]]]:
@@ -61,8 +54,7 @@ def top_frames(collapsed: Path, n: int = 15) -> dict[str, list[tuple[str, int]]]
         stack, _, count = line.rpartition(" ")
         if not stack:
             continue
-        frames = [f.split(" (")[0] + " (" + f.split(" (")[1].split(":")[0].split("/")[-1] + ")" if " (" in f else f
-                  for f in stack.split(";")]
+        frames = [short(f) for f in stack.split(";")]
         c = int(count)
         total += c
         own[frames[-1]] += c
@@ -77,7 +69,6 @@ def profile(kind: str, work: Path, head: RayHead, args) -> dict:
     server = start(kind, work, head)
     try:
         bench_serve(server.base_url, work, f"warmup-{kind}", 8, float("inf"), 32, 64, seed=99)
-        pids = tree(server.proc.pid, head.marker)
         result: dict = {}
         load = None
         if not args.idle:
@@ -98,7 +89,7 @@ def profile(kind: str, work: Path, head: RayHead, args) -> dict:
         for pid in sampled:
             out = work / f"{kind}-{pid}.collapsed"
             spies[pid] = (out, subprocess.Popen(
-                [PY_SPY, "record", "--pid", str(pid), "--duration", str(args.duration), "--rate", "100",
+                [args.py_spy, "record", "--pid", str(pid), "--duration", str(args.duration), "--rate", "100",
                  "--format", "raw", "--nonblocking", "--output", str(out)],
                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
         start_cpu = tree_cpu_s(pids)
@@ -135,9 +126,8 @@ def main() -> int:
     parser.add_argument("--num-prompts", type=int, default=1000)
     parser.add_argument("--top", type=int, default=4, help="how many of the busiest processes to sample")
     args = parser.parse_args()
-    global PY_SPY
-    PY_SPY = shutil.which("py-spy", path=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
-    if PY_SPY is None:
+    args.py_spy = shutil.which("py-spy", path=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
+    if args.py_spy is None:
         sys.exit("py-spy is not installed: pip install py-spy (make bench installs it)")
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench-profile-"))
