@@ -73,3 +73,24 @@ def test_both_executors_workers_carry_it():
     import vllm.v1.executor.multiproc_executor as mpe
 
     assert mpe.WorkerProc is WorkerProc
+
+
+def test_the_mp_executor_starts_its_workers_with_its_class(monkeypatch):
+    """While vLLM's ``_init_executor`` forks the workers, the module's ``WorkerProc`` is ours;
+    afterwards it is vLLM's again."""
+    import vllm.v1.executor.multiproc_executor as mpe
+
+    from executor.mp import SupervisedMultiprocExecutor, SupervisedWorkerProc
+
+    seen = []
+
+    def init(self) -> None:  # vLLM's: makes WorkerProc.make_worker_process(...) per rank
+        seen.append(mpe.WorkerProc)
+        self.workers = []
+
+    original = mpe.WorkerProc
+    monkeypatch.setattr(mpe.MultiprocExecutor, "_init_executor", init)
+    monkeypatch.setattr(SupervisedMultiprocExecutor, "_wire", lambda self: None)
+    monkeypatch.setattr("executor.resume.install", lambda: None)
+    SupervisedMultiprocExecutor._init_executor(object.__new__(SupervisedMultiprocExecutor))
+    assert seen == [SupervisedWorkerProc] and mpe.WorkerProc is original
