@@ -72,7 +72,7 @@ async def stream_one(api: openai.AsyncOpenAI, model: str, record: RequestRecord)
     record.started = time.monotonic()
     extra: dict[str, Any] = {"ignore_eos": True, **record.extra}
     if record.hold is not None:
-        extra["vllm_xargs"] = {"supervisor_test_hold_midchar": record.hold}
+        extra["vllm_xargs"] = {**extra.get("vllm_xargs", {}), "supervisor_test_hold_midchar": record.hold}
     common = dict(model=model, max_tokens=record.max_tokens, temperature=0, stop=record.stop)
     try:
         if record.kind == "completion":

@@ -170,6 +170,7 @@ class Streams:
         req = Carryover(prompt, sampling_params, kwargs, request_id, self._detokenizer, self._tokenizer,
                         self._engines())
         hold_at = testhooks.hold_point(req.params) if self.test_hooks else None
+        hold_engines = testhooks.hold_engines(req.params) if hold_at is not None else 0
         attempt = 0
         dead: Generation | None = None  # the generation this request last saw fail
         client_id = client_id or request_id
@@ -195,8 +196,11 @@ class Streams:
                             yield out
                         if out.finished:
                             break  # a stop string found across the seam ends the request here
-                        if hold_at is not None and attempt == 0:
-                            await self._maybe_hold(gen, req.ids, *hold_at)
+                        if hold_at is not None and attempt < hold_engines:
+                            # on a later engine, counted from there: the request is established there
+                            # (``supervisor.suspects``), so its interruption counts as a plain one
+                            count = req.suspect.outputs_here if attempt else len(req.ids)
+                            await self._maybe_hold(gen, req.ids, count, *hold_at)
                     log.info("request done", request_id=request_id, attempts=attempt + 1,
                              delivered_tokens=len(req.ids) if req.delta else None)
                     return
@@ -261,12 +265,12 @@ class Streams:
                 if gen.engine is not None and not gen.failed:
                     await gen.engine.abort(engine_id)
 
-    async def _maybe_hold(self, gen: Generation, delivered: list[int], after: int, midchar: bool = True) -> None:
-        """Test hook (``supervisor.testhooks``): stop a first-engine stream, once ``after`` tokens
-        were delivered, right after a token that ends inside a UTF-8 character (``midchar``) or
-        at once, until its engine fails."""
+    async def _maybe_hold(self, gen: Generation, delivered: list[int], count: int, after: int, midchar: bool = True) -> None:
+        """Test hook (``supervisor.testhooks``): stop a stream on its engine, once ``count``
+        (tokens delivered, or outputs read from a later engine) reached ``after``, right after a
+        token that ends inside a UTF-8 character (``midchar``) or at once, until its engine fails."""
         d = self.d
-        if len(delivered) < after or (midchar and not testhooks.ends_mid_character(self._tokenizer(), delivered)):
+        if count < after or (midchar and not testhooks.ends_mid_character(self._tokenizer(), delivered)):
             return
         self.held += 1
         try:  # until the engine fails, or the daemon stops (then the stream just goes on)

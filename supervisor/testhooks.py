@@ -8,6 +8,10 @@ character, and waits there until its engine fails (``/readyz?verbose`` counts th
 held as ``test_held``). A test kills a worker when every request is held, so every seam
 falls inside a multi-byte character. Only for byte-level BPE tokenizers (the demo model's).
 ``vllm_xargs={"supervisor_test_hold_after": N}`` holds right after the ``N``-th token instead.
+``"supervisor_test_hold_engines": K`` beside either holds on each of the first ``K`` engines
+the request runs on (default 1), so a test can kill every engine under the same requests
+without racing their remaining tokens; on a later engine ``N`` counts the outputs read from
+it, so the request is established there when it holds (``supervisor.suspects``).
 
 Without the step clock (``VLLM_SUPERVISOR_TEST_TOKEN_CLOCK=1``): tokens are the probe's clock.
 
@@ -22,6 +26,7 @@ from executor.testhooks import ENV, enabled  # noqa: F401 - one switch for both 
 
 HOLD_MIDCHAR = "supervisor_test_hold_midchar"
 HOLD_AFTER = "supervisor_test_hold_after"
+HOLD_ENGINES = "supervisor_test_hold_engines"
 TOKEN_CLOCK_ENV = "VLLM_SUPERVISOR_TEST_TOKEN_CLOCK"
 
 
@@ -50,6 +55,12 @@ def hold_point(params: Any) -> tuple[int, bool] | None:
         return midchar, True
     value = (getattr(params, "extra_args", None) or {}).get(HOLD_AFTER)
     return (int(value), False) if isinstance(value, (int, float, str)) and str(value).isdigit() else None
+
+
+def hold_engines(params: Any) -> int:
+    """On how many of its engines (its first ones) the request holds: 1 unless it says."""
+    value = (getattr(params, "extra_args", None) or {}).get(HOLD_ENGINES)
+    return int(value) if isinstance(value, (int, float, str)) and str(value).isdigit() else 1
 
 
 @lru_cache(maxsize=1)
