@@ -1,13 +1,18 @@
-"""Prefix-aware routing vs least streams, on 2 replicas, under a multi-turn chat load.
+"""Prefix-aware routing vs least streams on 2 replicas, and vs ``vllm serve --data-parallel-size 2``,
+under a multi-turn chat load.
 
 ``--conversations`` chats (32) of ``--turns`` turns (6) each, over ``--system-prompts`` shared
 system prompts (4), ``--concurrency`` conversations at a time (8); each turn sends the whole
 history (system prompt, earlier turns and the model's own replies) through the openai SDK,
 streamed, greedy, ``--max-tokens`` tokens. The daemon runs ``--data-parallel-size 2`` (two
-replicas) on a Ray head with ``--enable-prompt-tokens-details``, once per routing policy, the
-policies alternating for ``--rounds`` rounds. Per policy: the prefix-cache hit rate (prompt
-tokens the engines found cached, from each response's ``usage.prompt_tokens_details``: vLLM's
-own count per request, over all requests) and the time to first token p50 / p99.
+replicas) on a Ray head with ``--enable-prompt-tokens-details``, once per routing policy; the
+alternative a user has without the daemon (issue 42), ``vllm serve --data-parallel-size 2`` (two
+engines behind vLLM's own front end, which balances them by queue length: vLLM's default mp
+backend, no Ray), runs the same load with the same flags, with vLLM's default OpenMP binding and
+with one core per engine. The four alternate for ``--rounds`` rounds. Per kind: the prefix-cache
+hit rate (prompt tokens the engines found cached, from each response's
+``usage.prompt_tokens_details``: vLLM's own count per request, over all requests), the time to
+first token p50 / p99 and the throughput (requests / took).
 
     python -m bench.prefix_routing --out bench/results
 """
@@ -25,10 +30,12 @@ from typing import Any
 
 import openai
 
-from bench.common import MODEL_NAME, base_parser
+from bench.common import MODEL_NAME, VllmServe, base_parser
 from chaos import inject
 from chaos.harness import OPERATOR_ENV, Daemon, RayHead
 
+DP2, DP2_CORE_EACH = "vllm_serve_dp2", "vllm_serve_dp2_core_each"
+KINDS = ("least_streams", "prefix", DP2, DP2_CORE_EACH)
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
          "quebec romeo sierra tango uniform victor whiskey xray yankee zulu river stone cloud ember").split()
 
@@ -78,6 +85,19 @@ async def workload(base_url: str, args) -> list[dict[str, Any]]:
     return [r for conv in results for r in conv]
 
 
+def measure(base_url: str, args) -> dict[str, Any]:
+    started = time.monotonic()
+    requests = asyncio.run(workload(base_url, args))
+    took = time.monotonic() - started
+    ttft = sorted(r["ttft_s"] for r in requests if r["ttft_s"] is not None)
+    prompt = sum(r["prompt_tokens"] for r in requests)
+    cached = sum(r["cached_tokens"] or 0 for r in requests)
+    return {"requests": len(requests), "took_s": round(took, 1), "prompt_tokens": prompt,
+            "cached_tokens": cached, "hit_rate": cached / prompt if prompt else 0.0,
+            "ttft_p50_ms": 1000 * statistics.median(ttft), "ttft_p99_ms": 1000 * ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
+            "details_missing": sum(r["cached_tokens"] is None for r in requests)}
+
+
 def run_policy(work: Path, head: RayHead, policy: str, args) -> dict[str, Any]:
     config = {"engine": {"max_model_len": 1024}, "ray": {"address": head.address},
               "supervisor": {"routing": policy}}
@@ -85,20 +105,34 @@ def run_policy(work: Path, head: RayHead, policy: str, args) -> dict[str, Any]:
     with Daemon(work, config, env=OPERATOR_ENV, args=flags).start() as daemon:
         daemon.wait_ready()
         daemon.wait_replicas_serving()
-        started = time.monotonic()
-        requests = asyncio.run(workload(daemon.base_url, args))
-        took = time.monotonic() - started
+        row = measure(daemon.base_url, args)
         status = daemon.status()
         code, _ = daemon.stop()
         assert code == 0, daemon.tail()
-    ttft = sorted(r["ttft_s"] for r in requests if r["ttft_s"] is not None)
-    prompt = sum(r["prompt_tokens"] for r in requests)
-    cached = sum(r["cached_tokens"] or 0 for r in requests)
-    return {"policy": policy, "requests": len(requests), "took_s": round(took, 1), "prompt_tokens": prompt,
-            "cached_tokens": cached, "hit_rate": cached / prompt if prompt else 0.0,
-            "ttft_p50_ms": 1000 * statistics.median(ttft), "ttft_p99_ms": 1000 * ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
-            "routing": status.get("routing"),
-            "details_missing": sum(r["cached_tokens"] is None for r in requests)}
+    return {"policy": policy, **row, "routing": status.get("routing")}
+
+
+def run_vllm_dp2(work: Path, kind: str, args) -> dict[str, Any]:
+    """``vllm serve --data-parallel-size 2`` with the daemon's engine settings and its access log
+    off (as ``plain_vllm_serve``): vLLM's DP coordinator and two engine processes, no Ray; the
+    daemon's idle Ray head stays up meanwhile. By default vLLM's CPU build binds each engine's
+    OpenMP threads to the cores left after reserving one per engine on the NUMA node, here core 0
+    for both; the daemon's Ray workers are not pinned. ``DP2_CORE_EACH`` gives each engine its
+    own core (``VLLM_CPU_OMP_THREADS_BIND=0|1``), the setting a user would tune to."""
+    server = VllmServe(work, None, extra=("--data-parallel-size", "2", "--enable-prompt-tokens-details"))
+    if kind == DP2_CORE_EACH:
+        server.env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    server.start()
+    try:
+        server.wait_ready()
+        return {"policy": kind, **measure(server.base_url, args)}
+    finally:
+        server.stop()
+
+
+def medians(rows: list[dict[str, Any]]) -> dict[str, float]:
+    return {key: statistics.median(r[key] for r in rows) for key in ("hit_rate", "ttft_p50_ms", "ttft_p99_ms")} | {
+        "req_s": statistics.median(r["requests"] / r["took_s"] for r in rows)}
 
 
 def main() -> int:
@@ -118,27 +152,38 @@ def main() -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="prefix-routing-") as tmp:
             for r in range(args.rounds):
-                for policy in ("least_streams", "prefix"):
-                    work = Path(tmp) / f"{policy}-{r}"
+                for kind in KINDS:
+                    work = Path(tmp) / f"{kind}-{r}"
                     work.mkdir()
-                    row = run_policy(work, head, policy, args) | {"round": r + 1}
+                    row = run_vllm_dp2(work, kind, args) if kind.startswith("vllm") else run_policy(work, head, kind, args)
+                    row["round"] = r + 1
                     print(row, flush=True)
                     rows.append(row)
     finally:
         inject.disconnect()
         head.stop()
-    lines = [f"# Prefix-aware routing vs least streams ({time.strftime('%Y-%m-%d')}; 2 replicas of the demo model, "
-             f"TP=1 each, one Ray head, 2 cores; {args.conversations} conversations × {args.turns} turns over "
-             f"{args.system_prompts} system prompts, {args.concurrency} at a time, {args.max_tokens} tokens per reply)", "",
+    lines = [f"# Prefix-aware routing, least streams and `vllm serve --data-parallel-size 2` ({time.strftime('%Y-%m-%d')}; "
+             "2 replicas of the demo model, TP=1 each: the daemon's on one Ray head, vllm serve's its own DP=2 engines, "
+             "both on core 0 by default or one core each; "
+             f"2 cores; {args.conversations} conversations × {args.turns} turns over {args.system_prompts} system prompts, "
+             f"{args.concurrency} at a time, {args.max_tokens} tokens per reply)", "",
              "| round | routing | requests | prompt tokens found cached (hit rate) | TTFT p50 (ms) | TTFT p99 (ms) | took (s) |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for row in rows:
         lines.append(f"| {row['round']} | {row['policy']} | {row['requests']} | {row['cached_tokens']} / {row['prompt_tokens']} "
                      f"({100 * row['hit_rate']:.1f} %) | {row['ttft_p50_ms']:.1f} | {row['ttft_p99_ms']:.1f} | {row['took_s']} |")
-    for policy in ("least_streams", "prefix"):
-        mine = [r for r in rows if r["policy"] == policy]
-        lines.append(f"\n{policy}: hit rate median {100 * statistics.median(r['hit_rate'] for r in mine):.1f} %, "
-                     f"TTFT p50 median {statistics.median(r['ttft_p50_ms'] for r in mine):.1f} ms")
+    lines += ["", "Medians over the rounds:", "",
+              "| routing | hit rate | TTFT p50 (ms) | TTFT p99 (ms) | throughput (req/s) |", "| --- | --- | --- | --- | --- |"]
+    median = {kind: medians([r for r in rows if r["policy"] == kind]) for kind in KINDS}
+    for kind, m in median.items():
+        lines.append(f"| {kind} | {100 * m['hit_rate']:.1f} % | {m['ttft_p50_ms']:.1f} | {m['ttft_p99_ms']:.1f} | {m['req_s']:.2f} |")
+    ours = median["prefix"]
+    for kind in (DP2, DP2_CORE_EACH):
+        theirs = median[kind]
+        lines.append(f"\nprefix / {kind} (medians): hit rate {ours['hit_rate'] / theirs['hit_rate']:.2f}x, "
+                     f"TTFT p50 {ours['ttft_p50_ms'] / theirs['ttft_p50_ms']:.2f}x, "
+                     f"TTFT p99 {ours['ttft_p99_ms'] / theirs['ttft_p99_ms']:.2f}x, "
+                     f"throughput {ours['req_s'] / theirs['req_s']:.2f}x")
     text_out = "\n".join(lines) + "\n"
     (args.out / "prefix-routing.md").write_text(text_out)
     (args.out / "prefix-routing.json").write_text(json.dumps(rows, indent=2) + "\n")
