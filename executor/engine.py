@@ -41,6 +41,28 @@ def uses_compiled_graph() -> bool:
     return os.environ.get("VLLM_USE_RAY_V2_EXECUTOR_BACKEND", "1").strip().lower() in ("0", "false")
 
 
+STARTUP_PLAN_VAR = "VLLM_ENABLE_STARTUP_PLAN"
+
+
+def set_engine_environment(kv_cache_space_gib: int) -> None:
+    """What every engine the daemon builds reads from the environment, where the operator set
+    nothing (the engine core and, through vLLM's executor, its workers inherit it):
+
+    * CPU: the KV cache size per worker (``VLLM_CPU_KVCACHE_SPACE``), explicit, so vLLM
+      never profiles memory there;
+    * GPU: vLLM's startup plan (``VLLM_ENABLE_STARTUP_PLAN=1``,
+      ``vllm/v1/worker/startup_plan.py``): each worker keeps the KV memory its first
+      profiling found under ``VLLM_CACHE_ROOT``, and the next build of the same
+      configuration on the same device (a recovery, a replica, the next start) applies it
+      and skips the memory measurement and the CUDA-graph memory estimate. vLLM checks the
+      fingerprint and that the device has at least the free memory recorded, else it
+      profiles as before. Designed for GPU hosts and not run here (the CPU worker never
+      reads it). ``VLLM_ENABLE_STARTUP_PLAN=0`` turns it off."""
+    if is_cpu_platform() and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_space_gib)
+    os.environ.setdefault(STARTUP_PLAN_VAR, "1")
+
+
 def build_engine(spec: EngineSpec):
     """Create the ``AsyncLLM`` (engine-core subprocess + Ray worker actors) from the same
     flags ``vllm serve`` reads, with our executor subclass; blocks until up."""
@@ -55,8 +77,7 @@ def build_engine(spec: EngineSpec):
     else:
         from executor.ray_v2 import SupervisedRayExecutor as executor_class
 
-    if is_cpu_platform() and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(spec.kv_cache_space_gib)
+    set_engine_environment(spec.kv_cache_space_gib)
     engine_args = AsyncEngineArgs.from_cli_args(spec.args)
     engine_args.distributed_executor_backend = executor_class
     vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
