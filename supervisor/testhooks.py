@@ -40,10 +40,15 @@ def token_clock_only() -> bool:
     return enabled() and os.environ.get(TOKEN_CLOCK_ENV, "") == "1"
 
 
+def _count(params: Any, key: str) -> int | None:
+    """The request's ``vllm_xargs[key]`` as a count (digits only), or None."""
+    value = (getattr(params, "extra_args", None) or {}).get(key)
+    return int(value) if isinstance(value, (int, float, str)) and str(value).isdigit() else None
+
+
 def hold_midchar_after(params: Any) -> int | None:
     """The request's hold threshold (tokens), or None."""
-    value = (getattr(params, "extra_args", None) or {}).get(HOLD_MIDCHAR)
-    return int(value) if isinstance(value, (int, float, str)) and str(value).isdigit() else None
+    return _count(params, HOLD_MIDCHAR)
 
 
 def hold_point(params: Any) -> tuple[int, bool] | None:
@@ -53,14 +58,14 @@ def hold_point(params: Any) -> tuple[int, bool] | None:
     midchar = hold_midchar_after(params)
     if midchar is not None:
         return midchar, True
-    value = (getattr(params, "extra_args", None) or {}).get(HOLD_AFTER)
-    return (int(value), False) if isinstance(value, (int, float, str)) and str(value).isdigit() else None
+    after = _count(params, HOLD_AFTER)
+    return (after, False) if after is not None else None
 
 
 def hold_engines(params: Any) -> int:
     """On how many of its engines (its first ones) the request holds: 1 unless it says."""
-    value = (getattr(params, "extra_args", None) or {}).get(HOLD_ENGINES)
-    return int(value) if isinstance(value, (int, float, str)) and str(value).isdigit() else 1
+    engines = _count(params, HOLD_ENGINES)
+    return engines if engines is not None else 1
 
 
 @lru_cache(maxsize=1)
