@@ -267,7 +267,13 @@ class Daemon:
         deadline = time.monotonic() + 10
         while self.leftover_pids() and time.monotonic() < deadline:
             time.sleep(0.2)
-        sweep(self.new_segments())
+        # Its Ray workers are the raylet's children, not its own: Ray stops them once it sees
+        # the driver gone, and they map their rings until they exit.
+        deadline = time.monotonic() + 30
+        while (left := self.new_segments() - set(sweep(self.new_segments()))) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        if left:
+            print(f"harness: {self.marker}'s rings still mapped 30 s after its kill: {sorted(left)}", file=sys.stderr)
         self.leaks.kill_new(allow=self.kept_running)  # and whatever escaped its tree
 
     @property

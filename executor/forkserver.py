@@ -8,7 +8,8 @@ engine start on a 2-core machine. Python's
 child per ``Process.start()``; the child unpickles its target and arguments exactly as a
 spawned one would, so vLLM's engine core runs unchanged.
 
-Two differences from ``spawn`` are closed here:
+Two differences from ``spawn`` are closed here, and one advantage taken (a child freezes what
+the server imported out of the garbage collector's walks, ``EnvReplayProcess.run``):
 
 * Environment: a forkserver child inherits the fork server's environment, not the
   caller's at ``start()``. ``EnvReplayProcess`` carries the caller's environment along and
@@ -27,6 +28,7 @@ engine-core death, and the standby starts a new fork server.
 from __future__ import annotations
 
 import contextlib
+import gc
 import multiprocessing
 import multiprocessing.context
 import multiprocessing.forkserver
@@ -63,6 +65,11 @@ class EnvReplayProcess(multiprocessing.context.ForkServerProcess):
                 pass
             os.environ.clear()
             os.environ.update(env)
+        # What the fork server imported is frozen out of the collector's walks before vLLM
+        # runs (gc.freeze is a list splice, no walk): the engine core's freeze_gc_heap then
+        # collects only what its build made, not the ~600,000 imported objects (≈ 0.4 s each
+        # full collection on 2 cores).
+        gc.freeze()
         super().run()
 
 

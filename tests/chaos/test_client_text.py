@@ -22,6 +22,7 @@ from chaos import inject
 from chaos.harness import OPERATOR_ENV, Daemon
 from chaos.load import as_reference, compare, run_with_fault, specs
 from chaos.harness import stale_actors
+from tests.chaos.test_recovery import finish
 
 pytestmark = pytest.mark.integration
 
@@ -44,6 +45,7 @@ def daemon(tmp_path_factory, ray_head):
         d.wait_ready()
         inject.prepare(ray_head.address)  # so a fault lands mid-stream, not after a first vLLM import
         yield d
+        finish(d, ray_head)
 
 
 @pytest.fixture(scope="module")

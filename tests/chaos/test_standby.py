@@ -12,7 +12,7 @@ import pytest
 
 from chaos import inject
 from chaos.load import PROMPTS, as_reference, compare, run_with_fault
-from tests.chaos.test_recovery import MAX_TOKENS, start_daemon, stop_leaves_nothing
+from tests.chaos.test_recovery import MAX_TOKENS, finish, start_daemon, stop_leaves_nothing
 
 pytestmark = pytest.mark.integration
 
@@ -24,6 +24,7 @@ def tp1(tmp_path_factory, ray_head):
         inject.prepare(ray_head.address)
         ref = as_reference(asyncio.run(run_with_fault(d.base_url, len(PROMPTS), MAX_TOKENS))[0])
         yield d, ref
+        finish(d, ray_head)
 
 
 def adoptions_total(daemon, result: str) -> float:

@@ -11,6 +11,7 @@ ones ``SupervisedRayExecutor._adopt_standby`` receives. A real vLLM config of th
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -53,7 +54,8 @@ def standby_module(monkeypatch):
 
     monkeypatch.setattr(standby.ray, "get_runtime_context", lambda: SimpleNamespace(get_node_id=lambda: "node-a"))
     monkeypatch.delenv(standby.DEVICES_VAR, raising=False)
-    return standby
+    yield standby
+    gc.unfreeze()  # a standby froze this process's heap
 
 
 def vllm_worker_options(vllm_config) -> dict:
@@ -103,7 +105,7 @@ def test_preload_sees_no_device_and_leaves_cuda_uninitialised(vllm_config, tmp_p
     (tmp_path / "standby_probe.py").write_text("import os\nSEEN = os.environ.get('CUDA_VISIBLE_DEVICES')\n")
     modules = preload_modules(vllm_config) + ["standby_probe"]
     script = textwrap.dedent("""
-        import json, os, sys
+        import gc, json, os, sys
         from types import SimpleNamespace
         from executor import standby
         standby.ray.get_runtime_context = lambda: SimpleNamespace(get_node_id=lambda: "node-a")
@@ -111,6 +113,8 @@ def test_preload_sees_no_device_and_leaves_cuda_uninitialised(vllm_config, tmp_p
         import standby_probe, torch
         print(json.dumps({"cuda_initialized": torch.cuda.is_initialized(),
                           "info": worker.standby_info()["cuda_initialized"],
+                          # vLLM, torch and the model's module out of the build's collections
+                          "frozen": worker.standby_info()["heap_frozen"] > 300_000,
                           "seen_while_importing": standby_probe.SEEN,
                           "after_preload": os.environ.get("CUDA_VISIBLE_DEVICES"),
                           "imported": [m for m in sys.argv[1:] if m in sys.modules]}))
@@ -121,7 +125,7 @@ def test_preload_sees_no_device_and_leaves_cuda_uninitialised(vllm_config, tmp_p
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert "vllm.model_executor.models.llama" in modules
-    assert result == {"cuda_initialized": False, "info": False, "seen_while_importing": "",
+    assert result == {"cuda_initialized": False, "info": False, "frozen": True, "seen_while_importing": "",
                       "after_preload": "", "imported": modules}
 
 
