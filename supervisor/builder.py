@@ -163,11 +163,16 @@ class EngineBuilder:
         started = time.monotonic()
         local_workers = [] if self.ray.cluster else engine_worker_pids(gen.engine)  # before their parent goes
         cores = engine_core_pids(gen.engine)
+        failed = gen.failed and not gen.planned
+        failed_cores: list[int] = []
         try:
-            # A failed engine core is not waited for: 0.25 s to exit on SIGTERM, then SIGKILL.
-            # (It never made it within vLLM's 1 s default here: its exit waits on Ray's own
-            # shutdown; that second was a third of a recovery with the warm standby.)
-            shutdown_engine(gen.engine, timeout_s=0.25 if gen.failed and not gen.planned else 5.0)
+            # A failed engine core is not waited for: SIGKILL, then vLLM's shutdown finds it gone.
+            # (It never exited within vLLM's 1 s default here: its exit waits on Ray's own
+            # shutdown; that second was a third of a recovery with the warm standby. Given
+            # 0.25 s after SIGTERM it was killed at the end of them: the 0.25 s were the teardown.)
+            # Its workers and rings are this teardown's work below in either case.
+            failed_cores = kill_pids([p for p in cores if running(p)]) if failed else []
+            shutdown_engine(gen.engine, timeout_s=0.25 if failed else 5.0)
         except Exception:
             log.exception("engine shutdown raised", engine_generation=gen.number)
         # vLLM signals only an engine core it believes alive: one whose fork server died looks
@@ -194,7 +199,8 @@ class EngineBuilder:
             log.warning("rings still mapped after the teardown: swept once unmapped", engine_generation=gen.number,
                         rings=sorted(still), unreachable=cut_off)
         removed += self.sweep_deferred()
-        log.info("engine torn down", engine_generation=gen.number, leftover_actors_killed=killed, stray_engine_cores=stray_cores,
+        log.info("engine torn down", engine_generation=gen.number, leftover_actors_killed=killed, failed_cores_killed=failed_cores,
+                 stray_engine_cores=stray_cores,
                  shm_removed=removed, took_s=round(time.monotonic() - started, 2))
 
     def sweep_deferred(self, wait_s: float = 0.0) -> list[str]:
