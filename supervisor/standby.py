@@ -35,6 +35,11 @@ log = logs.get_logger("vllm_supervisor.standby")
 
 POLL_S = 1.0  # how often the standby's liveness is read from Ray's actor table
 RETRY_S = (1.0, 30.0)  # backoff after a failed preparation: first, max
+# The first seconds after a generation comes up belong to the streams it resumes: their prompts
+# and tokens so far are computed again, and preparing at once (a Ray worker start and vLLM's
+# import, ≈ 8 s of CPU a rank) took cores from that. A failure meanwhile is built without
+# workers to adopt, as it would be while they start.
+SETTLE_S = 3.0
 
 
 class StandbyState(str, enum.Enum):
@@ -72,7 +77,7 @@ class Standby:
         self.forkserver_pid: int | None = None
         self.replacements = 0
         self.adoptions: dict[str, int] = {"adopted": 0, "cold": 0}
-        self.ready_after_s: float | None = None  # prepare() → READY, last time
+        self.ready_after_s: float | None = None  # the settle's end → READY, last time
         self.last_error = ""
         self._task: asyncio.Task | None = None
         self._creating = asyncio.Lock()
@@ -224,6 +229,7 @@ class Standby:
             await asyncio.to_thread(self.host.kill, workers)
 
     async def _run(self, generation: int, vllm_config: Any) -> None:
+        await asyncio.sleep(SETTLE_S)
         started = time.monotonic()
         failures = 0
         while True:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import signal
 
+import pytest
+
 from supervisor.events import EngineFailed, SignalReceived
 from supervisor.standby import TRANSITIONS, StandbyState
 from supervisor.states import State
@@ -119,3 +121,27 @@ def test_standby_transition_table_is_closed():
     for state, targets in TRANSITIONS.items():
         assert state not in targets and targets <= set(StandbyState)
     assert set(TRANSITIONS) == set(StandbyState)
+
+
+@pytest.mark.keeps_settle
+def test_the_standby_waits_for_the_resumed_streams_before_it_starts(tmp_path, monkeypatch):
+    """After READY the standby is PREPARING at once (a failure claims it) but starts nothing
+    for SETTLE_S: the first seconds' cores are the resumed streams'."""
+    import supervisor.standby as standby_module
+
+    monkeypatch.setattr(standby_module, "SETTLE_S", 0.5)
+
+    async def scenario():
+        sup = FakeSupervisor(settings(tmp_path))
+        owner = asyncio.create_task(sup.run())
+        await wait_for(lambda: sup.state is State.READY)
+        ready_at = asyncio.get_running_loop().time()
+        assert sup.standby.state is StandbyState.PREPARING
+        await asyncio.sleep(0.3)
+        assert sup.builder.standby_made == [] and not sup.builder.forkserver_up
+        await wait_for(lambda: sup.standby.state is StandbyState.READY)
+        assert asyncio.get_running_loop().time() - ready_at >= 0.5
+        sup.post(SignalReceived(signal.SIGTERM))
+        await owner
+
+    run(scenario())

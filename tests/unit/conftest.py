@@ -1,0 +1,12 @@
+"""Unit tests of logic run the warm standby without its settle after READY
+(``supervisor.standby.SETTLE_S``, 3 s): ``test_standby_fake`` proves the settle itself."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _no_standby_settle(monkeypatch, request):
+    if "keeps_settle" not in request.keywords:
+        monkeypatch.setattr("supervisor.standby.SETTLE_S", 0.0)
