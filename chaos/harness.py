@@ -270,7 +270,11 @@ class Daemon:
         # Its Ray workers are the raylet's children, not its own: Ray stops them once it sees
         # the driver gone, and they map their rings until they exit.
         deadline = time.monotonic() + 30
-        while (left := self.new_segments() - set(sweep(self.new_segments()))) and time.monotonic() < deadline:
+        while True:
+            left = self.new_segments()
+            left -= set(sweep(left))
+            if not left or time.monotonic() > deadline:
+                break
             time.sleep(0.5)
         if left:
             print(f"harness: {self.marker}'s rings still mapped 30 s after its kill: {sorted(left)}", file=sys.stderr)

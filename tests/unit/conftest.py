@@ -1,5 +1,5 @@
 """Unit tests of logic run the warm standby without its settle after READY
-(``supervisor.standby.SETTLE_S``, 3 s): ``test_standby_fake`` proves the settle itself."""
+(``supervisor.standby.SETTLE_S``, 3 s): ``test_standby_fake`` sets its own to prove the settle."""
 
 from __future__ import annotations
 
@@ -7,6 +7,5 @@ import pytest
 
 
 @pytest.fixture(autouse=True)
-def _no_standby_settle(monkeypatch, request):
-    if "keeps_settle" not in request.keywords:
-        monkeypatch.setattr("supervisor.standby.SETTLE_S", 0.0)
+def _no_standby_settle(monkeypatch):
+    monkeypatch.setattr("supervisor.standby.SETTLE_S", 0.0)

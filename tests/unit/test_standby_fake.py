@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import signal
 
-import pytest
-
 from supervisor.events import EngineFailed, SignalReceived
 from supervisor.standby import TRANSITIONS, StandbyState
 from supervisor.states import State
@@ -123,7 +121,6 @@ def test_standby_transition_table_is_closed():
     assert set(TRANSITIONS) == set(StandbyState)
 
 
-@pytest.mark.keeps_settle
 def test_the_standby_waits_for_the_resumed_streams_before_it_starts(tmp_path, monkeypatch):
     """After READY the standby is PREPARING at once (a failure claims it) but starts nothing
     for SETTLE_S: the first seconds' cores are the resumed streams'."""
