@@ -71,6 +71,21 @@ class SupervisedRayWorkerProc(canary.CanaryIdle, _v2.RayWorkerProc):
         return super().get_node_and_physical_gpu_ids()
 
 
+# Ray starts every worker process at nice 15 (its ``worker_niceness``) so that a driver stays
+# responsive beside its tasks. A vLLM worker is where the model runs: at nice 15 the engine core,
+# the API server and anything else on the host take the cores from it 28 to 1 (CFS weights 1024
+# and 36), so each step waits on whatever else is runnable. vLLM's own `mp` executor, what
+# `vllm serve` runs by default, starts its workers at the server's priority. The worker reads
+# this variable from its environment when it starts (as Ray's job supervisor sets it for its own
+# drivers); an operator who wants Ray's default back exports it, e.g. ``RAY_worker_niceness=15``.
+NICENESS_VAR = "RAY_worker_niceness"
+
+
+def worker_niceness() -> str:
+    """The niceness a worker actor starts with: the operator's ``RAY_worker_niceness``, else 0."""
+    return os.environ.get(NICENESS_VAR, "").strip() or "0"
+
+
 class SupervisedRayExecutor(DeathReporter, _v2.RayExecutorV2):
     """Ray V2 executor that reports worker deaths to the vllm-supervisor daemon."""
 
@@ -171,10 +186,12 @@ class SupervisedRayExecutor(DeathReporter, _v2.RayExecutorV2):
 
     def _build_runtime_env(self) -> dict:
         runtime_env = super()._build_runtime_env()
+        env_vars = runtime_env.setdefault("env_vars", {})
+        env_vars.setdefault(NICENESS_VAR, worker_niceness())
         if current_platform.is_cpu():
             # TP>1 on CPU otherwise spends ~25 s compiling a helper with inductor on the
             # first request.
-            runtime_env.setdefault("env_vars", {}).setdefault("TORCH_COMPILE_DISABLE", "1")
+            env_vars.setdefault("TORCH_COMPILE_DISABLE", "1")
         return runtime_env
 
     # --- names -----------------------------------------------------------------------

@@ -6,6 +6,7 @@ without touching the serving engine; stop leaves nothing. (TP=2 adoption is asse
 from __future__ import annotations
 
 import asyncio
+import os
 
 import httpx
 import pytest
@@ -52,6 +53,10 @@ def test_kill_is_recovered_in_the_standby_process(tp1, ray_head):
     assert len(standby_pids) == 1 and all(standby_pids)
     serving_pids = [w["pid"] for w in daemon.full_status()["workers"]]
     assert set(serving_pids).isdisjoint(standby_pids)
+    # the model runs at the daemon's priority, not at the nice 15 Ray gives its workers
+    daemon_nice = os.getpriority(os.PRIO_PROCESS, daemon.proc.pid)
+    assert {p: os.getpriority(os.PRIO_PROCESS, p) for p in serving_pids + standby_pids} == {
+        p: daemon_nice for p in serving_pids + standby_pids}
     adopted_before = adoptions_total(daemon, "adopted")
     cold_before = adoptions_total(daemon, "cold")
 

@@ -216,6 +216,7 @@ def test_standby_options_are_vllms(vllm_config, monkeypatch, weight_transfer):
     assert option_mismatch(ours, theirs) == []
     assert theirs["runtime_env"]["env_vars"]["VLLM_USE_BREAKABLE_CUDAGRAPH"] == "1"
     assert theirs["runtime_env"]["env_vars"]["TORCH_COMPILE_DISABLE"] == "1"  # ours, on CPU
+    assert theirs["runtime_env"]["env_vars"]["RAY_worker_niceness"] == "0"  # ours: not Ray's nice 15
     assert ("enable_tensor_transport" in theirs) == bool(weight_transfer)
 
 
@@ -352,3 +353,16 @@ def test_a_standby_on_another_node_is_refused_without_a_call(vllm_config, adopti
     assert executor._adopt_standby(vllm_worker_options(vllm_config), {"rank": 1}) is None
     assert standby.adopted == [] and killed == [standby] and executor.adopted == {}
     assert "its rank's bundle is on node-a" in caplog.text
+
+
+def test_workers_start_at_the_operators_niceness_else_at_the_servers(monkeypatch):
+    """Ray starts its workers at nice 15; the daemon's start at 0 (as vLLM's ``mp`` workers do)
+    unless the operator exported ``RAY_worker_niceness``."""
+    from executor.ray_v2 import worker_niceness
+
+    monkeypatch.delenv("RAY_worker_niceness", raising=False)
+    assert worker_niceness() == "0"
+    monkeypatch.setenv("RAY_worker_niceness", "15")
+    assert worker_niceness() == "15"
+    monkeypatch.setenv("RAY_worker_niceness", " ")
+    assert worker_niceness() == "0"
