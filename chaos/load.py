@@ -190,7 +190,8 @@ async def run_with_fault(
 ) -> tuple[list[RequestRecord], Any]:
     """Run ``n`` requests (or ``records``); once every stream has ``min_tokens_before_fault``
     chunks (or ``ready_for_fault()`` says so), call ``fault()`` in a thread (so it may block on
-    Ray). Returns the records and what ``fault()`` returned."""
+    Ray). A fault that returns a dict with ``monotonic`` says when it landed. Returns the records
+    and what ``fault()`` returned."""
     api = client(base_url, api_key)
     records = records if records is not None else specs(n, max_tokens, offset)
     tasks = [asyncio.create_task(stream_one(api, model, r)) for r in records]
@@ -211,9 +212,13 @@ async def run_with_fault(
             if ready_for_fault is None and any(r.finish_reason for r in records):
                 raise RuntimeError("a stream finished before the fault; use more max_tokens")
             fault_info = await asyncio.to_thread(fault)
-            if all(t.done() and r.outcome == "ok" for t, r in zip(tasks, records)):
+            # when the fault landed: its own "monotonic" if it reports one (a fault that also waits
+            # for the recovery returns long after it landed), else when fault() returned
+            landed = fault_info.get("monotonic") if isinstance(fault_info, dict) else None
+            if all(t.done() and r.outcome == "ok" and (landed is None or not r.chunk_times or r.chunk_times[-1] < landed)
+                   for t, r in zip(tasks, records)):
                 # e.g. a first Ray connection inside fault() that took longer than the streams
-                raise RuntimeError("every stream finished before fault() returned: the fault did not land mid-stream")
+                raise RuntimeError("every stream finished before the fault landed: it did not land mid-stream")
         await asyncio.gather(*tasks)
     finally:
         await api.close()

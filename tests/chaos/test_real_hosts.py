@@ -391,9 +391,10 @@ def test_a_partition_with_no_capacity_left_waits_saying_why_then_uses_the_healed
         address = hosts.hosts[victim].address
         seen = {}
 
-        def partition_wait_heal() -> None:
+        def partition_wait_heal() -> dict:
             seen["partitioned"] = time.monotonic()
             hosts.partition(victim)
+            landed = time.monotonic()
             while (why := d.get("/readyz").json().get("reason", "")).find(address) < 0:
                 assert time.monotonic() - seen["partitioned"] < HANG_TIMEOUT_S + 60, why
                 time.sleep(0.5)
@@ -406,6 +407,7 @@ def test_a_partition_with_no_capacity_left_waits_saying_why_then_uses_the_healed
                 assert time.monotonic() - seen["healed"] < 180, d.get("/readyz").json()
                 revive(hosts, only={victim})
                 time.sleep(2)
+            return {"monotonic": landed}  # the streams may finish while this waited for the recovery
 
         records, _ = asyncio.run(run_with_fault(d.base_url, len(PROMPTS), MAX_TOKENS, partition_wait_heal))
         summary = compare(records, ref)

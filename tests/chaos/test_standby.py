@@ -53,10 +53,11 @@ def test_kill_is_recovered_in_the_standby_process(tp1, ray_head):
     assert len(standby_pids) == 1 and all(standby_pids)
     serving_pids = [w["pid"] for w in daemon.full_status()["workers"]]
     assert set(serving_pids).isdisjoint(standby_pids)
-    # the model runs at the daemon's priority, not at the nice 15 Ray gives its workers
-    daemon_nice = os.getpriority(os.PRIO_PROCESS, daemon.proc.pid)
+    # the model runs at the daemon's priority, not at the nice 15 Ray gives its workers (unless
+    # whoever runs the tests exported RAY_worker_niceness, as an operator would)
+    expected = int(os.environ.get("RAY_worker_niceness", "").strip() or os.getpriority(os.PRIO_PROCESS, daemon.proc.pid))
     assert {p: os.getpriority(os.PRIO_PROCESS, p) for p in serving_pids + standby_pids} == {
-        p: daemon_nice for p in serving_pids + standby_pids}
+        p: expected for p in serving_pids + standby_pids}
     adopted_before = adoptions_total(daemon, "adopted")
     cold_before = adoptions_total(daemon, "cold")
 

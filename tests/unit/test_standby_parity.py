@@ -202,6 +202,7 @@ def test_standby_options_are_vllms(vllm_config, monkeypatch, weight_transfer):
     but for the options a standby sets otherwise; a variable vLLM's config wrote into the
     daemon (``VLLM_USE_BREAKABLE_CUDAGRAPH``, on CUDA) is in both."""
     from executor.adoption import OWN_OPTIONS, creation_options, option_mismatch
+    from executor.ray_v2 import worker_niceness
     from executor.standby import worker_options
 
     if weight_transfer:
@@ -216,7 +217,7 @@ def test_standby_options_are_vllms(vllm_config, monkeypatch, weight_transfer):
     assert option_mismatch(ours, theirs) == []
     assert theirs["runtime_env"]["env_vars"]["VLLM_USE_BREAKABLE_CUDAGRAPH"] == "1"
     assert theirs["runtime_env"]["env_vars"]["TORCH_COMPILE_DISABLE"] == "1"  # ours, on CPU
-    assert theirs["runtime_env"]["env_vars"]["RAY_worker_niceness"] == "0"  # ours: not Ray's nice 15
+    assert theirs["runtime_env"]["env_vars"]["RAY_worker_niceness"] == worker_niceness()  # ours: not Ray's nice 15
     assert ("enable_tensor_transport" in theirs) == bool(weight_transfer)
 
 
