@@ -42,7 +42,7 @@ from vllm.v1.executor.ray_utils import RayWorkerWrapper, build_actor_name
 
 from executor.reporting import CAUSE_MAX_CHARS, DeathReporter
 from executor import canary, history, resume, testhooks
-from executor.ray_v2 import NICENESS_VAR, worker_niceness
+from executor.ray_v2 import set_worker_env
 
 logger = logging.getLogger("vllm.supervisor.executor")
 
@@ -88,11 +88,9 @@ class _NamingRay:
     def remote(self, *args: Any, **options: Any) -> Any:
         if args:  # the bare decorator form: not used by the executor
             return self._real.remote(*args, **options)
-        env_vars = options.setdefault("runtime_env", {}).setdefault("env_vars", {})
-        env_vars.setdefault(NICENESS_VAR, worker_niceness())
+        set_worker_env(options.setdefault("runtime_env", {}).setdefault("env_vars", {}))
         if self._cpu:
             options.pop("resources", None)
-            env_vars.setdefault("TORCH_COMPILE_DISABLE", "1")
         decorate = self._real.remote(**options)
         naming = self
 

@@ -86,6 +86,15 @@ def worker_niceness() -> str:
     return os.environ.get(NICENESS_VAR, "").strip() or "0"
 
 
+def set_worker_env(env_vars: dict[str, str]) -> None:
+    """What every worker actor the daemon's executors create runs with, unless already set: the
+    niceness above, and on CPU no inductor (TP>1 otherwise spends ~25 s compiling a helper with
+    it on the first request)."""
+    env_vars.setdefault(NICENESS_VAR, worker_niceness())
+    if current_platform.is_cpu():
+        env_vars.setdefault("TORCH_COMPILE_DISABLE", "1")
+
+
 class SupervisedRayExecutor(DeathReporter, _v2.RayExecutorV2):
     """Ray V2 executor that reports worker deaths to the vllm-supervisor daemon."""
 
@@ -186,12 +195,7 @@ class SupervisedRayExecutor(DeathReporter, _v2.RayExecutorV2):
 
     def _build_runtime_env(self) -> dict:
         runtime_env = super()._build_runtime_env()
-        env_vars = runtime_env.setdefault("env_vars", {})
-        env_vars.setdefault(NICENESS_VAR, worker_niceness())
-        if current_platform.is_cpu():
-            # TP>1 on CPU otherwise spends ~25 s compiling a helper with inductor on the
-            # first request.
-            env_vars.setdefault("TORCH_COMPILE_DISABLE", "1")
+        set_worker_env(runtime_env.setdefault("env_vars", {}))
         return runtime_env
 
     # --- names -----------------------------------------------------------------------
