@@ -112,6 +112,21 @@ def frontend_for(vllm_config: Any) -> tuple[Any, Any]:
     return renderer, InputProcessor(vllm_config, renderer)
 
 
+def wake_streams_dead(engine) -> bool:
+    """Wake every ``generate`` of ``engine`` that waits for an output, with vLLM's own
+    ``EngineDeadError``, as its output handler does when the engine core dies
+    (``OutputProcessor.propagate_error``): that error ends a stream without vLLM's abort of
+    the request, which a dead engine may never answer. False when the engine has no output
+    processor (nothing was woken)."""
+    processor = getattr(engine, "output_processor", None)
+    if processor is None:
+        return False
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    processor.propagate_error(EngineDeadError("the engine generation was taken down by the supervisor"))
+    return True
+
+
 def engine_core_pids(engine) -> list[int]:
     """PIDs of the engine's engine-core process(es)."""
     core = getattr(engine, "engine_core", None)

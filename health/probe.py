@@ -46,15 +46,15 @@ def stalled(gen: Any, hang_timeout_s: float, now: float | None = None, since: fl
     """Why a busy generation is hung (its streams waited ``hang_timeout_s`` on no engine step
     since ``since``, when the engines were last released from a pause or sleep), or None:
     idle, or still moving."""
-    if not gen.pumps:
+    if not gen.readers:
         return None
     now = time.monotonic() if now is None else now
-    oldest = min(start for start, _ in gen.pumps.values())
+    oldest = min(start for start, _ in gen.readers.values())
     waited = now - max(gen.last_progress(), oldest, since)
     if waited <= gen.hang_timeout(hang_timeout_s):  # longer for a new generation's first steps
         return None
     clock = "engine step" if gen.steps is not None and gen.steps.ticking else "token"
-    running = (f"{len(gen.pumps)} stream(s) running" if any(not _is_canary(t) for t in gen.pumps)
+    running = (f"{len(gen.readers)} stream(s) running" if any(not _is_canary(t) for t in gen.readers)
                else "the idle canary running")
     return (f"no {clock} for {waited:.1f} s with {running} "
             f"(last token {now - max(gen.last_output_monotonic, oldest):.1f} s ago)")
@@ -164,7 +164,7 @@ class EngineProbe:
                 reachable = False
             if not reachable:
                 return "ray cluster unreachable"
-        if gen.pumps:  # busy: judged by its step clock (``stalled``, in ``run``)
+        if gen.readers:  # busy: judged by its step clock (``stalled``, in ``run``)
             return None
         if time.monotonic() - gen.last_progress() < cfg.canary_interval_s:
             return None

@@ -55,13 +55,13 @@ class Admission:
             d.count_outcome("rejected")
             raise EngineUnavailable(f"daemon is {d.state.value} and its admission queue is full ({d.cfg.admission_queue_size})")
 
-    async def admit(self, parked: bool, not_gen: Generation | None = None, token_ids: Any = None,
+    async def admit(self, parked: bool, not_gens: tuple[Generation, ...] = (), token_ids: Any = None,
                     replica: int | None = None) -> Generation:
-        """A serving generation once READY (and not ``not_gen``, a generation the request saw
-        die before the owner task marked it failed; of ``replica`` when given). ``token_ids``:
+        """A serving generation once READY (and none of ``not_gens``, the generations the
+        request saw die, before the owner task marked them failed; of ``replica`` when given). ``token_ids``:
         the prompt, for prefix-aware routing between replicas."""
         d = self.d
-        if (gen := d.pick(not_gen, parked, token_ids, replica)) is not None:
+        if (gen := d.pick(not_gens, parked, token_ids, replica)) is not None:
             return gen
         if parked and (d.state.terminal or d.state is State.STOPPING):
             raise RequestFailed(f"daemon is {d.state.value} ({d.reason}); retry the request elsewhere")
@@ -75,10 +75,10 @@ class Admission:
             self.waiting_new += 1
         try:
             while True:
-                if (gen := d.pick(not_gen, parked, token_ids, replica)) is not None:
+                if (gen := d.pick(not_gens, parked, token_ids, replica)) is not None:
                     return gen
                 if d.state.terminal or d.state is State.STOPPING:
-                    return await self.admit(parked, not_gen, token_ids, replica)
+                    return await self.admit(parked, not_gens, token_ids, replica)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     if parked:

@@ -180,19 +180,19 @@ class Supervisor:
     def served_model_name(self) -> str:
         return self.builder.served_model_name
 
-    def pick(self, not_gen: Generation | None = None, parked: bool = False,
+    def pick(self, not_gens: tuple[Generation, ...] = (), parked: bool = False,
              token_ids: Any = None, replica: int | None = None) -> Generation | None:
         """The generation a request (of prompt ``token_ids``, when known) goes to now
-        (``supervisor.replica.pick``), other than ``not_gen``, built for the engine arguments the
+        (``supervisor.replica.pick``), none of ``not_gens``, built for the engine arguments the
         front serves (a rolling reload); None unless READY (or DRAINING, for a parked request:
         it was admitted before the drain)."""
         snap = self.owner.snapshot
         if snap.state is State.READY or (parked and snap.state is State.DRAINING):
-            return pick(snap.replicas, not_gen, self.client.epoch, self.router, token_ids, replica)
+            return pick(snap.replicas, not_gens, self.client.epoch, self.router, token_ids, replica)
         return None
 
-    def serving(self, not_gen: Generation | None = None) -> bool:
-        return self.pick(not_gen) is not None
+    def serving(self, not_gens: tuple[Generation, ...] = ()) -> bool:
+        return self.pick(not_gens) is not None
 
     def probe_passed(self, replica: int) -> bool:
         return self.probe.passed(replica)

@@ -48,9 +48,9 @@ class Dispatcher(Protocol):
     @property
     def metrics(self) -> SupervisorMetrics: ...
 
-    def pick(self, not_gen: Generation | None = None, parked: bool = False,
+    def pick(self, not_gens: tuple[Generation, ...] = (), parked: bool = False,
              token_ids: Any = None, replica: int | None = None) -> Generation | None:
-        """The generation a request goes to now, other than ``not_gen`` (of ``replica`` when
+        """The generation a request goes to now, none of ``not_gens`` (of ``replica`` when
         given); None if none serves."""
 
     @property

@@ -147,7 +147,7 @@ class SupervisedEngineClient(EngineClient):
         """One greedy token on ``gen`` (the idle hang probe)."""
         from vllm import SamplingParams
 
-        async for _ in self.streams.pump(gen, {"type": "token", "prompt_token_ids": [0]}, SamplingParams(max_tokens=1, temperature=0),
+        async for _ in self.streams.read(gen, {"type": "token", "prompt_token_ids": [0]}, SamplingParams(max_tokens=1, temperature=0),
                                          f"{CANARY_PREFIX}{uuid.uuid4().hex[:8]}"):
             pass
 

@@ -49,10 +49,11 @@ class Generation:
     engine: Any  # vllm.v1.engine.async_llm.AsyncLLM
     shm_before: set[str]
     build_s: float
-    # request stream task -> (start time, its output queue)
-    pumps: dict[asyncio.Task, tuple[float, Any]] = field(default_factory=dict)
-    # cancelled streams still inside AsyncLLM.generate's abort of a dead engine
-    lingering: set[asyncio.Task] = field(default_factory=set)
+    # each engine stream's reader (supervisor.stream.Reader) -> (start time, the reader)
+    readers: dict[Any, tuple[float, Any]] = field(default_factory=dict)
+    # what is still inside AsyncLLM.generate's abort of this engine (a dead one may never
+    # answer): interrupted readers, and the closes of streams their readers left
+    lingering: set[Any] = field(default_factory=set)
     failed: bool = False
     planned: bool = False  # retired by a drain-then-rebuild (restart, reload), not by a fault
     standby: dict[str, Any] | None = None  # what its build adopted (supervisor.standby)
@@ -97,12 +98,13 @@ class Generation:
 
     async def reap_lingering(self, timeout_s: float = 2.0) -> None:
         """After shutdown: a second cancel ends an abort that the dead engine never answers
-        (each such task holds the old engine, its zmq sockets and threads)."""
-        for task in self.lingering:
-            task.cancel()
-        if self.lingering:
-            await asyncio.wait(self.lingering, timeout=timeout_s)
-        self.lingering = {t for t in self.lingering if not t.done()}
+        (each such wait holds the old engine, its zmq sockets and threads). Each leaves the
+        set itself when it is out."""
+        for waiter in list(self.lingering):
+            waiter.cancel()
+        deadline = time.monotonic() + timeout_s
+        while self.lingering and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
 
     def release(self) -> float:
         """Drop the torn-down engine and collect it now; returns the seconds that took.
@@ -112,18 +114,39 @@ class Generation:
         happens to run, so threads and fds drift up over recoveries. One collection per
         recovery (a rare event) returns them at once."""
         self.engine = None
-        self.pumps.clear()
+        self.readers.clear()
         self.choices.clear()
         started = time.monotonic()
         gc.collect()
         return time.monotonic() - started
 
     def interrupt_streams(self) -> None:
-        """Park every request of this generation now. The consumer is told directly: a
-        cancelled ``AsyncLLM.generate`` awaits an abort that a dead engine never answers."""
-        for task, (_start, queue) in list(self.pumps.items()):
-            queue.put(Interrupted())
-            task.cancel()
+        """Park every request of this generation now (``supervisor.stream.Reader``): each
+        reader is marked, and vLLM wakes those waiting on the engine with its own
+        engine-dead error (``executor.engine.wake_streams_dead``: no abort of the request,
+        which a dead engine may never answer). A reader still waiting after that (inside
+        vLLM's ``add_request``, not yet listed with the engine) has its wait cancelled and
+        lingers until it is out of vLLM's abort; one between outputs stops before it reads
+        again."""
+        from executor.engine import wake_streams_dead
+
+        readers = list(self.readers)
+        if not readers:
+            return
+        for reader in readers:
+            reader.interrupted = True
+        if self.engine is not None:
+            try:
+                wake_streams_dead(self.engine)
+            except Exception:  # noqa: BLE001 (the cancel below still parks every reader)
+                pass
+        # after the readers just woken have run: each of those has let go of its wait
+        asyncio.get_running_loop().call_soon(self._cancel_waiting, readers)
+
+    def _cancel_waiting(self, readers: list[Any]) -> None:
+        for reader in readers:
+            if reader.cancel():
+                self.lingering.add(reader)
 
 
 def is_engine_death(exc: BaseException, gen: Generation) -> bool:

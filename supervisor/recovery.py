@@ -138,7 +138,7 @@ class Recovery:
             if kill_workers:  # a hang: the stuck workers go first (SIGKILL works on stopped ones)
                 await asyncio.to_thread(self.builder.kill_stuck_workers, gen)
             if drain:
-                await self._drain_pumps(gen)
+                await self._drain_readers(gen)
             phases["drain"] = time.monotonic() - t
             t = time.monotonic()
             self.post(TeardownBegan(replica, gen.number, t))
@@ -189,10 +189,12 @@ class Recovery:
             return []
 
     @staticmethod
-    async def _drain_pumps(gen: Generation, timeout_s: float = 5.0) -> None:
-        """Wait (bounded) until every request stream of ``gen`` has let go of it."""
+    async def _drain_readers(gen: Generation, timeout_s: float = 5.0) -> None:
+        """Wait (bounded) until every request stream of ``gen`` has let go of it, or is
+        inside an abort the engine may never answer (``Generation.lingering``: the teardown's
+        reap ends those)."""
         deadline = time.monotonic() + timeout_s
-        while gen.pumps and time.monotonic() < deadline:
+        while any(r not in gen.lingering for r in gen.readers) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
 
     @staticmethod

@@ -54,9 +54,10 @@ class Replica:
     def state(self) -> ReplicaState:
         return self.machine.state
 
-    def serving(self, not_gen: Generation | None = None) -> bool:
+    def serving(self, not_gens: tuple[Generation, ...] = ()) -> bool:
         gen = self.current
-        return self.state is ReplicaState.SERVING and gen is not None and not gen.failed and gen is not not_gen
+        return (self.state is ReplicaState.SERVING and gen is not None and not gen.failed
+                and all(gen is not g for g in not_gens))
 
     @property
     def busy(self) -> bool:
@@ -70,7 +71,7 @@ class Replica:
         gen = self.current
         return {"replica": self.index, "state": self.view().word, "phase": self.state.value,
                 "generation": gen.number if gen else 0,
-                "instance_id": gen.instance_id if gen else "", "streams": len(gen.pumps) if gen else 0,
+                "instance_id": gen.instance_id if gen else "", "streams": len(gen.readers) if gen else 0,
                 "building": self.building, "probe_failures": probe_failures,
                 "restarts_in_window": self.intensity.recent,
                 **({"retry_in_s": round(max(0.0, self.retry_at - time.monotonic()), 1)} if self.retry_at else {}),
@@ -86,9 +87,10 @@ class ReplicaView:
     current: Generation | None
     served: bool
 
-    def serving(self, not_gen: Generation | None = None) -> bool:
+    def serving(self, not_gens: tuple[Generation, ...] = ()) -> bool:
         gen = self.current
-        return self.state is ReplicaState.SERVING and gen is not None and not gen.failed and gen is not not_gen
+        return (self.state is ReplicaState.SERVING and gen is not None and not gen.failed
+                and all(gen is not g for g in not_gens))
 
     @property
     def word(self) -> str:
@@ -105,14 +107,14 @@ class ReplicaView:
         return (self.index, self.state, id(self.current), self.current.failed if self.current else None)
 
 
-def pick(replicas: Iterable[Replica], not_gen: Generation | None = None, epoch: int | None = None,
+def pick(replicas: Iterable[Replica], not_gens: tuple[Generation, ...] = (), epoch: int | None = None,
          router: Any = None, token_ids: Sequence[int] | None = None, replica: int | None = None) -> Generation | None:
-    """The serving generation a request goes to, other than ``not_gen``, built for config
+    """The serving generation a request goes to, none of ``not_gens``, built for config
     ``epoch`` and of ``replica`` (when given); None when none serves. With a ``router``
     (``supervisor.routing``) and the prompt's ``token_ids``, where its prefix was served; else
     the one with the fewest streams running (ties: the lowest index)."""
     candidates = [rep.current for rep in replicas
-                  if rep.serving(not_gen) and (epoch is None or rep.current.epoch == epoch)
+                  if rep.serving(not_gens) and (epoch is None or rep.current.epoch == epoch)
                   and (replica is None or rep.index == replica)]
     if not candidates:
         return None
@@ -122,7 +124,7 @@ def pick(replicas: Iterable[Replica], not_gen: Generation | None = None, epoch: 
 
 
 def _streams(gen: Generation) -> int:
-    return len(gen.pumps)
+    return len(gen.readers)
 
 
 def replica_of(replicas: Iterable[Replica], generation: int) -> Replica | None:

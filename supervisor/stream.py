@@ -1,8 +1,8 @@
 """One request's stream across engine failures.
 
-A request is admitted to a serving generation (``supervisor.admission``) and its engine's
-stream runs in a task of its own, so that a recovery can interrupt it (a hung engine never
-raises by itself). When that generation fails mid-stream the request is parked and continued
+A request is admitted to a serving generation (``supervisor.admission``) and reads its
+engine's stream in its own task, as ``vllm serve`` does, through a ``Reader`` the generation
+lists, so that a recovery can interrupt it (a hung engine never raises by itself). When that generation fails mid-stream the request is parked and continued
 with prompt + delivered tokens (``supervisor.continuation``) on another serving replica at
 once, else on the replica's next generation, so that what the client reads equals a
 fault-free run. A request that sees its engine die says so (``Dispatcher.engine_died``).
@@ -11,11 +11,9 @@ fault-free run. A request that sees its engine die says so (``Dispatcher.engine_
 from __future__ import annotations
 
 import asyncio
-import collections
 import time
 from typing import Any, AsyncGenerator, AsyncIterator, Callable, Iterable
 
-from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind
 
 from supervisor import logs, testhooks
@@ -172,7 +170,7 @@ class Streams:
         hold_at = testhooks.hold_point(req.params) if self.test_hooks else None
         hold_engines = testhooks.hold_engines(req.params) if hold_at is not None else 0
         attempt = 0
-        dead: Generation | None = None  # the generation this request last saw fail
+        dead: tuple[Generation, ...] = ()  # the generations this request saw fail, the last one last
         client_id = client_id or request_id
         while True:
             gen = await self._admit(req, dead)
@@ -182,9 +180,7 @@ class Streams:
                 except NotContinuable as exc:
                     raise RequestFailed(f"request interrupted by an engine failure and cannot be continued exactly ({exc}); retry it") from None
                 rid = request_id if attempt == 0 else f"{request_id}-c{attempt}"
-                # a test hold judges each token as it comes: no merging under it
-                stream = self.pump(gen, engine_prompt, sub, rid, kw, client_id=client_id, choice=request_id,
-                                   merge=req.delta and hold_at is None)
+                stream = self.read(gen, engine_prompt, sub, rid, kw, client_id=client_id, choice=request_id)
                 try:
                     async for out in stream:
                         out = req.take(out)
@@ -215,7 +211,7 @@ class Streams:
                 verdict = gen.failure_verdict()  # while every choice it ran is still listed
             finally:
                 gen.choices.pop(request_id, None)
-            dead = gen  # the owner may not have marked it failed yet: never re-admit to it
+            dead += (gen,)  # the owner may not have marked them failed yet: never re-admit to one
             attempt += 1
             timing.attempts = max(timing.attempts, attempt)
             suspect = req.suspect
@@ -227,15 +223,15 @@ class Streams:
             log.info("request parked", request_id=request_id, delivered_tokens=len(req.ids), attempt=attempt,
                      implicated=request_id in verdict.implicated)
 
-    async def _admit(self, req: Carryover, dead: Generation | None) -> Generation:
+    async def _admit(self, req: Carryover, dead: tuple[Generation, ...]) -> Generation:
         """The generation ``req`` runs on next, where it is listed at once (``Generation.choices``).
         A request on probation (implicated in a failure, ``supervisor.suspects``) waits for its
         own replica's next generation and joins it once no request there is new; a new request
         joins a generation that took continued requests once none of those is new."""
         suspect, since = req.suspect, None
-        replica = dead.replica if suspect.on_probation and dead is not None else None
+        replica = dead[-1].replica if suspect.on_probation and dead else None
         while True:
-            gen = await self.admission.admit(parked=dead is not None, not_gen=dead, token_ids=req.token_ids, replica=replica)
+            gen = await self.admission.admit(parked=bool(dead), not_gens=dead, token_ids=req.token_ids, replica=replica)
             if not gen.took_continued and not suspect.on_probation:
                 break  # the steady state: nobody was continued onto this engine
             since = since or time.monotonic()  # the wait counts from the first engine it could join
@@ -282,80 +278,91 @@ class Streams:
         if gen.failed:
             raise Interrupted()
 
-    async def pump(self, gen: Generation, prompt: Any, params: Any, request_id: str,
+    async def read(self, gen: Generation, prompt: Any, params: Any, request_id: str,
                    kwargs: dict[str, Any] | None = None, client_id: str | None = None,
-                   choice: str | None = None, merge: bool = False) -> AsyncIterator[Any]:
-        """Run the engine's stream in a task of its own, so a recovery can interrupt it
-        (a hung engine never raises by itself). ``merge``: a reader that falls behind reads the
-        outputs waiting for it as one (``Outputs``), as ``vllm serve``'s front reads ``AsyncLLM``."""
-        queue = Outputs(merge)
-        client_id = client_id or request_id
-        choice = choice or client_id
-
-        async def pump() -> None:
-            try:
-                async for out in gen.engine.generate(prompt, params, request_id, **(kwargs or {})):
-                    gen.last_output_monotonic = time.monotonic()
-                    queue.put(out)
-                queue.put(_END)
-            except asyncio.CancelledError:
-                queue.put(Interrupted())
-                raise
-            except BaseException as exc:
-                queue.put(exc)
-
+                   choice: str | None = None) -> AsyncIterator[Any]:
+        """Read the engine's stream in the reader's own task, as ``vllm serve``'s front reads
+        ``AsyncLLM.generate`` (no task or queue between them: vLLM's per-request collector
+        already merges the deltas of a reader that falls behind). A recovery interrupts it
+        through its ``Reader`` (``Generation.interrupt_streams``): a hung engine never raises
+        by itself."""
         if gen.failed:
             raise Interrupted()
-        task = asyncio.create_task(pump(), name=request_id)  # the hang check tells the canary by its id
-        gen.pumps[task] = (time.monotonic(), queue)
+        client_id = client_id or request_id
+        choice = choice or client_id
+        reader = Reader(request_id)  # the hang check tells the canary by its name
+        gen.readers[reader] = (time.monotonic(), reader)
         self._live.setdefault(client_id, {})[choice] = (gen, request_id)
+        stream = gen.engine.generate(prompt, params, request_id, **(kwargs or {}))
+        ended = False  # the engine's generator has finished (returned or raised)
         try:
             while True:
-                item = await queue.get()
-                if item is _END:
+                if reader.interrupted:
+                    raise Interrupted()
+                reader.task, reader.waiting = asyncio.current_task(), True
+                try:
+                    out = await stream.__anext__()
+                except StopAsyncIteration:
+                    ended = True
                     return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
+                except BaseException:
+                    ended = True
+                    if reader.let_go(gen.lingering):
+                        raise Interrupted() from None
+                    raise
+                finally:
+                    reader.waiting = False
+                gen.last_output_monotonic = time.monotonic()
+                yield out
         finally:
-            gen.pumps.pop(task, None)
+            gen.readers.pop(reader, None)
             live = self._live.get(client_id, {})
             if live.get(choice, (None, None))[1] == request_id:
                 del live[choice]
                 if not live:
                     del self._live[client_id]
-            if not task.done():
-                task.cancel()
-                gen.lingering.add(task)
-                task.add_done_callback(gen.lingering.discard)
+            if not ended:  # interrupted between outputs, or its reader stopped reading: vLLM's
+                # own close aborts the request (on a dead engine it may never return: off the reader)
+                closing = asyncio.create_task(stream.aclose(), name=f"close-{request_id}")
+                gen.lingering.add(closing)
+                closing.add_done_callback(gen.lingering.discard)
 
 
-class Outputs:
-    """The outputs an engine stream produced and its reader has not read yet, in order. With
-    ``merge`` (a ``DELTA`` stream), a new output joins the one still waiting, by vLLM's own
-    ``RequestOutput.add`` as its ``RequestOutputCollector`` does: a reader that falls behind
-    (a loaded front) writes one chunk for the tokens of several engine steps instead of a
-    chunk per step, and catches up. The end and an error queue behind what is waiting: the
-    tokens produced before them are still read."""
+class Reader:
+    """One engine stream's reader as its generation lists it (``Generation.readers``): what a
+    recovery interrupts (``Generation.interrupt_streams``). Marked ``interrupted``, whatever
+    ends its wait on the engine (vLLM's engine-dead error, or the cancel of that wait, taken
+    back as ``asyncio.timeout`` takes its own back: ``let_go``) makes it raise
+    ``Interrupted``, and the client's task goes on. A cancel that is not ours (the client
+    went away) stays a cancel."""
 
-    def __init__(self, merge: bool):
-        self.merge = merge
-        self._items: collections.deque[Any] = collections.deque()
-        self._ready = asyncio.Event()
+    __slots__ = ("name", "task", "waiting", "interrupted", "cancels")
 
-    def put(self, item: Any) -> None:
-        last = self._items[-1] if self._items else None
-        if self.merge and isinstance(item, RequestOutput) and isinstance(last, RequestOutput):
-            last.add(item, aggregate=True)
-            return
-        self._items.append(item)
-        self._ready.set()
+    def __init__(self, name: str):
+        self.name = name
+        self.task: asyncio.Task | None = None  # the task that waits on the engine
+        self.waiting = False  # inside the engine's ``__anext__``
+        self.interrupted = False
+        self.cancels = 0  # ours, not yet taken back
 
-    def empty(self) -> bool:
-        return not self._items
+    def get_name(self) -> str:
+        return self.name
 
-    async def get(self) -> Any:
-        while not self._items:
-            self._ready.clear()
-            await self._ready.wait()
-        return self._items.popleft()
+    def cancel(self) -> bool:
+        """Cancel its wait on the engine; False when it is not waiting."""
+        if not self.waiting or self.task is None:
+            return False  # between outputs: it sees ``interrupted`` before it reads again
+        self.cancels += 1
+        self.task.cancel("interrupted by an engine failure")
+        return True
+
+    def let_go(self, lingering: set) -> bool:
+        """It came out of its wait with an exception: True when that means it was
+        interrupted (our own cancels taken back, and nobody else's pending)."""
+        lingering.discard(self)
+        if not self.interrupted:
+            return False
+        while self.cancels:
+            self.cancels -= 1
+            self.task.uncancel()
+        return self.task is None or self.task.cancelling() == 0

@@ -249,7 +249,7 @@ def test_a_request_that_cannot_be_continued_ends_with_a_clear_retriable_error(tm
         # Not streamed, nothing was delivered when the engine died: it runs again, exactly.
         reference = (await client.post("/v1/completions", json={**body, "temperature": 0})).json()
         whole = asyncio.create_task(client.post("/v1/completions", json={**body, "temperature": 0}))
-        await wait_for(lambda: sup.replicas[0].current.pumps)  # running on generation 2
+        await wait_for(lambda: sup.replicas[0].current.readers)  # running on generation 2
         await asyncio.sleep(0.05)
         kill(sup)
         r = await whole
@@ -294,7 +294,7 @@ def test_each_choice_of_n_is_continued_on_its_own(tmp_path):
                 got = await choices(client, body, on_chunk=lambda n: n == 20 and kill(sup))
             else:
                 whole = asyncio.create_task(choices(client, body))
-                await wait_for(lambda: len(sup.replicas[0].current.pumps) == 3)
+                await wait_for(lambda: len(sup.replicas[0].current.readers) == 3)
                 await asyncio.sleep(0.05)
                 kill(sup)
                 got = await whole

@@ -82,14 +82,14 @@ def test_pick_takes_the_replica_with_fewest_streams():
     from types import SimpleNamespace
 
     def gen(n, streams, failed=False, epoch=0):
-        return SimpleNamespace(number=n, pumps=dict.fromkeys(range(streams)), failed=failed, epoch=epoch)
+        return SimpleNamespace(number=n, readers=dict.fromkeys(range(streams)), failed=failed, epoch=epoch)
 
     def Replica(index, current):  # as the owner's snapshot shows a serving replica
         return ReplicaView(index, ReplicaState.SERVING, current, True)
 
     a, b, c = Replica(0, gen(1, 3)), Replica(1, gen(2, 1)), Replica(2, gen(3, 0, failed=True))
     assert pick([a, b, c]) is b.current
-    assert pick([a, b, c], not_gen=b.current) is a.current
+    assert pick([a, b, c], not_gens=(b.current,)) is a.current
     assert pick([c]) is None
     # a rolling reload: once the front serves epoch 1, only epoch-1 generations take requests
     d = Replica(3, gen(4, 5, epoch=1))
@@ -191,10 +191,10 @@ def test_parked_streams_move_to_the_other_replica_while_draining(tmp_path):
 
         async def drain_then_kill():
             # every stream established on its engine (supervisor.suspects): none is a suspect of the kill
-            await wait_for(lambda: sum(len(r.current.pumps) for r in sup.replicas) == 4 and all(
+            await wait_for(lambda: sum(len(r.current.readers) for r in sup.replicas) == 4 and all(
                 c.suspect.outputs_here >= ESTABLISHED for r in sup.replicas for c in r.current.choices.values()))
             assert (await sup._submit("drain", {}))["ok"]
-            moved.append(len(sup.replicas[0].current.pumps))
+            moved.append(len(sup.replicas[0].current.readers))
             kill(sup, 0)
 
         prompts = [[3, i] for i in range(4)]
@@ -231,7 +231,7 @@ def test_restart_rebuilds_replicas_one_after_another_while_the_other_serves(tmp_
         try:
             prompts = [[9, i] for i in range(4)]
             tasks = [asyncio.create_task(stream(sup, p, 150, f"e{i}")) for i, p in enumerate(prompts)]
-            await wait_for(lambda: sum(len(r.current.pumps) for r in sup.replicas) == 4)
+            await wait_for(lambda: sum(len(r.current.readers) for r in sup.replicas) == 4)
             assert (await sup._submit("restart", {}))["ok"]
             assert await asyncio.gather(*tasks) == [reference(p, 150) for p in prompts]
             await wait_for(lambda: not sup.owner.busy() and all(r.serving() for r in sup.replicas), timeout_s=15)

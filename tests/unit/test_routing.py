@@ -16,7 +16,7 @@ from supervisor.routing import BLOCK, MAX_BLOCKS, PrefixRouter, block_hashes
 
 
 def gen(number, streams=0, failed=False, epoch=0):
-    return SimpleNamespace(number=number, pumps=dict.fromkeys(range(streams)), failed=failed, epoch=epoch)
+    return SimpleNamespace(number=number, readers=dict.fromkeys(range(streams)), failed=failed, epoch=epoch)
 
 
 def tokens(seed: int, n: int) -> list[int]:
@@ -41,9 +41,9 @@ def test_a_conversation_stays_where_its_prefix_is():
     assert first is a.current  # no match yet: least streams, then the lowest index
     other = b if first is a.current else a
     for _ in range(3):  # each turn extends the last one's prompt; the other replica is idler by up to SLACK
-        first.pumps[object()] = None
+        first.readers[object()] = None
         turn = turn + tokens(len(turn), 2 * BLOCK)
-        assert len(first.pumps) - len(other.current.pumps) <= router.slack
+        assert len(first.readers) - len(other.current.readers) <= router.slack
         assert pick([a, b], router=router, token_ids=turn) is first
     assert router.status() == {"policy": "prefix", "routed": 4, "to_prefix": 3, "blocks": len(block_hashes(turn))}
 
@@ -53,9 +53,9 @@ def test_a_loaded_replica_gives_way_and_the_prefix_follows():
     a, b = Replica(0, gen(1)), Replica(1, gen(2))
     prompt = tokens(6, 8 * BLOCK)
     assert pick([a, b], router=router, token_ids=prompt) is a.current
-    a.current.pumps.update(dict.fromkeys(range(3)))  # 3 streams above b: past the bound
+    a.current.readers.update(dict.fromkeys(range(3)))  # 3 streams above b: past the bound
     assert pick([a, b], router=router, token_ids=prompt) is b.current
-    a.current.pumps.clear()
+    a.current.readers.clear()
     assert pick([a, b], router=router, token_ids=prompt) is b.current  # b served it last
 
 
@@ -65,7 +65,7 @@ def test_new_prefixes_spread_by_load():
     sent = []
     for seed in range(6):  # six conversations with system prompts of their own
         g = pick([a, b], router=router, token_ids=tokens(100 + seed, 4 * BLOCK))
-        g.pumps[object()] = None
+        g.readers[object()] = None
         sent.append(g.number)
     assert sent.count(1) == sent.count(2) == 3
 
@@ -77,7 +77,7 @@ def test_a_rebuilt_or_excluded_generation_does_not_match():
     assert pick([a, b], router=router, token_ids=prompt) is a.current
     a = Replica(0, gen(3, streams=2))  # replica 0 rebuilt: an empty cache under a new number (a new snapshot)
     assert pick([a, b], router=router, token_ids=prompt) is b.current  # no match: least streams
-    assert pick([a, b], not_gen=b.current, router=router, token_ids=prompt) is a.current  # a continuation
+    assert pick([a, b], not_gens=(b.current,), router=router, token_ids=prompt) is a.current  # a continuation
     assert pick([a], router=router, token_ids=prompt) is a.current  # one candidate: no choice
     assert pick([Replica(0, gen(4, failed=True))], router=router, token_ids=prompt) is None
 

@@ -42,7 +42,7 @@ def test_a_long_prefill_is_progress_a_stopped_engine_is_not():
     clock = StepClock()
     gen = generation(clock)
     now = time.monotonic()
-    gen.pumps[object()] = (now - 20, None)  # a stream 20 s old
+    gen.readers[object()] = (now - 20, None)  # a stream 20 s old
     gen.last_output_monotonic = now - 20  # and no token since it began
     clock.steps, clock.last_monotonic = 40, now - 1  # but the engine stepped a second ago (prefill chunks)
     assert stalled(gen, 4.0, now) is None
@@ -50,7 +50,7 @@ def test_a_long_prefill_is_progress_a_stopped_engine_is_not():
     problem = stalled(gen, 4.0, now)
     assert problem is not None and problem.startswith("no engine step for 5.0 s with 1 stream(s)"), problem
     assert "last token 20.0 s ago" in problem
-    gen.pumps.clear()
+    gen.readers.clear()
     assert stalled(gen, 4.0, now) is None  # idle: the canary's business
 
 
@@ -60,9 +60,9 @@ def test_new_arrivals_do_not_hide_a_hang_and_a_new_stream_gets_its_time():
     now = time.monotonic()
     clock.steps, clock.last_monotonic = 3, now - 60  # the engine last stepped a minute ago
     gen.last_output_monotonic = now - 60
-    gen.pumps[object()] = (now - 2, None)  # the oldest stream arrived 2 s ago
+    gen.readers[object()] = (now - 2, None)  # the oldest stream arrived 2 s ago
     assert stalled(gen, 4.0, now) is None  # it has not waited hang_timeout_s yet
-    gen.pumps[object()] = (now - 0.1, None)
+    gen.readers[object()] = (now - 0.1, None)
     assert stalled(gen, 4.0, now + 2.5) is not None  # 4.5 s for the oldest: hung, arrivals or not
 
 
@@ -75,7 +75,7 @@ def test_a_new_generations_first_steps_may_compile_kernels():
     clock = StepClock()
     gen = Generation(1, "g1", object(), set(), 0.0, steps=clock, first_steps=64, first_steps_timeout_s=90.0)
     now = time.monotonic()
-    gen.pumps[object()] = (now - 60, None)
+    gen.readers[object()] = (now - 60, None)
     gen.last_output_monotonic = now - 60
     clock.steps, clock.last_monotonic = 3, now - 30  # step 4 compiles for 30 s: not hung
     assert stalled(gen, 4.0, now) is None
@@ -93,13 +93,13 @@ def test_a_new_generations_first_steps_may_compile_kernels():
 def test_without_steps_reported_tokens_are_the_clock():
     gen = generation(StepClock())  # stats off: never ticks
     now = time.monotonic()
-    gen.pumps[object()] = (now - 10, None)
+    gen.readers[object()] = (now - 10, None)
     gen.last_output_monotonic = now - 1
     assert stalled(gen, 4.0, now) is None
     gen.last_output_monotonic = now - 6
     assert stalled(gen, 4.0, now).startswith("no token for 6.0 s")
     bare = generation(None)  # no clock at all: the same
-    bare.pumps[object()], bare.last_output_monotonic = (now - 10, None), now - 6
+    bare.readers[object()], bare.last_output_monotonic = (now - 10, None), now - 6
     assert stalled(bare, 4.0, now).startswith("no token for 6.0 s")
 
 

@@ -43,8 +43,33 @@ class FakeEngine:
         self.dead = asyncio.Event()
         self.shut = False
         self.requests_seen: list = []
+        # vLLM's output processor, in the one part the supervisor uses: waking every stream
+        # waiting for an output with an error, in one hop, as its collectors do
+        self.output_processor = SimpleNamespace(propagate_error=self._propagate_error)
+        self._error: BaseException | None = None
+        self._waits: set[asyncio.Future] = set()
 
     vllm_config = model_config = SimpleNamespace()
+
+    def _propagate_error(self, exc):
+        self._error = exc
+        for fut in self._waits:
+            if not fut.done():
+                fut.set_result(None)
+
+    async def _wait(self, seconds):
+        """The engine's next step in ``seconds``, or an error propagated before it."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        timer = loop.call_later(seconds, lambda: fut.done() or fut.set_result(None))
+        self._waits.add(fut)
+        try:
+            await fut
+        finally:
+            timer.cancel()
+            self._waits.discard(fut)
+        if self._error is not None:
+            raise self._error
 
     def get_tokenizer(self):
         return object()
@@ -102,8 +127,8 @@ class FakeEngine:
             if self.dead.is_set():
                 raise EngineDeadError()
             while self.hung.is_set():
-                await asyncio.sleep(3600)
-            await asyncio.sleep(self.step_s)
+                await self._wait(3600)
+            await self._wait(self.step_s)
             if self.dead.is_set():
                 raise EngineDeadError()
             tok = next_token(ctx)
@@ -612,13 +637,14 @@ def test_streams_stuck_in_a_dead_engines_abort_are_reaped(tmp_path):
 
         def kill(n):
             if n == 3:
-                sup.engines[0].errored = True  # dead, but its streams block instead of raising
+                sup.engines[0].errored = True  # dead, but its streams block instead of raising,
+                sup.engines[0].output_processor = None  # and none can be woken: each reader's wait is cancelled
                 sup.post(EngineFailed(1, "worker_death", "x"))
 
         results = await asyncio.gather(*(collect(sup, [i], 15, kill if i == 0 else None) for i in range(4)))
         assert results == [reference([i], 15) for i in range(4)]
         await wait_for(lambda: not old.lingering)  # nothing still holds the old engine
-        await wait_for(lambda: old.engine is None and not old.pumps)  # and it was let go, then collected
+        await wait_for(lambda: old.engine is None and not old.readers)  # and it was let go, then collected
         owner.cancel()
 
     run(scenario())
