@@ -46,10 +46,11 @@ def stalled(gen: Any, hang_timeout_s: float, now: float | None = None, since: fl
     """Why a busy generation is hung (its streams waited ``hang_timeout_s`` on no engine step
     since ``since``, when the engines were last released from a pause or sleep), or None:
     idle, or still moving."""
-    if not gen.readers:
+    waits = [r.since for r in gen.readers if r.waiting]  # a reader on its client is not waiting on the engine
+    if not waits:
         return None
     now = time.monotonic() if now is None else now
-    oldest = min(start for start, _ in gen.readers.values())
+    oldest = min(waits)
     waited = now - max(gen.last_progress(), oldest, since)
     if waited <= gen.hang_timeout(hang_timeout_s):  # longer for a new generation's first steps
         return None

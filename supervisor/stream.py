@@ -295,16 +295,17 @@ class Streams:
         self._live.setdefault(client_id, {})[choice] = (gen, request_id)
         stream = gen.engine.generate(prompt, params, request_id, **(kwargs or {}))
         ended = False  # the engine's generator has finished (returned or raised)
+        last = None  # a finished output, yielded once vLLM's generator has returned after it
         try:
             while True:
                 if reader.interrupted:
                     raise Interrupted()
-                reader.task, reader.waiting = asyncio.current_task(), True
+                reader.wait()
                 try:
                     out = await stream.__anext__()
                 except StopAsyncIteration:
                     ended = True
-                    return
+                    break
                 except BaseException:
                     ended = True
                     if reader.let_go(gen.lingering):
@@ -313,7 +314,15 @@ class Streams:
                 finally:
                     reader.waiting = False
                 gen.last_output_monotonic = time.monotonic()
+                if last is not None:  # not the last after all
+                    yield last
+                    last = None
+                if getattr(out, "finished", False):
+                    last = out  # vLLM's generate returns right after it: read on, so that a
+                    continue  # finished request ends as in ``vllm serve``, not by vLLM's abort
                 yield out
+            if last is not None:
+                yield last
         finally:
             gen.readers.pop(reader, None)
             live = self._live.get(client_id, {})
@@ -325,7 +334,15 @@ class Streams:
                 # own close aborts the request (on a dead engine it may never return: off the reader)
                 closing = asyncio.create_task(stream.aclose(), name=f"close-{request_id}")
                 gen.lingering.add(closing)
-                closing.add_done_callback(gen.lingering.discard)
+                closing.add_done_callback(_closed(gen.lingering))
+
+
+def _closed(lingering: set) -> Callable[[asyncio.Task], None]:
+    def done(task: asyncio.Task) -> None:
+        lingering.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.debug("closing an engine stream failed", request_id=task.get_name(), error=repr(task.exception()))
+    return done
 
 
 class Reader:
@@ -336,33 +353,41 @@ class Reader:
     ``Interrupted``, and the client's task goes on. A cancel that is not ours (the client
     went away) stays a cancel."""
 
-    __slots__ = ("name", "task", "waiting", "interrupted", "cancels")
+    __slots__ = ("name", "task", "waiting", "since", "interrupted", "cancels", "base")
 
     def __init__(self, name: str):
         self.name = name
         self.task: asyncio.Task | None = None  # the task that waits on the engine
         self.waiting = False  # inside the engine's ``__anext__``
+        self.since = 0.0  # when that wait began (the hang check's clock)
         self.interrupted = False
         self.cancels = 0  # ours, not yet taken back
+        self.base = 0  # the task's cancel count when its wait began (others' since are not ours)
 
     def get_name(self) -> str:
         return self.name
+
+    def wait(self) -> None:
+        """It is about to wait on the engine, in the current task."""
+        self.task, self.waiting, self.since = asyncio.current_task(), True, time.monotonic()
+        self.base = self.task.cancelling() if self.task is not None else 0
 
     def cancel(self) -> bool:
         """Cancel its wait on the engine; False when it is not waiting."""
         if not self.waiting or self.task is None:
             return False  # between outputs: it sees ``interrupted`` before it reads again
+        if not self.task.cancel("interrupted by an engine failure"):
+            return False
         self.cancels += 1
-        self.task.cancel("interrupted by an engine failure")
         return True
 
     def let_go(self, lingering: set) -> bool:
         """It came out of its wait with an exception: True when that means it was
-        interrupted (our own cancels taken back, and nobody else's pending)."""
+        interrupted (our own cancels taken back, and nobody else's added since)."""
         lingering.discard(self)
         if not self.interrupted:
             return False
         while self.cancels:
             self.cancels -= 1
             self.task.uncancel()
-        return self.task is None or self.task.cancelling() == 0
+        return self.task is None or self.task.cancelling() <= self.base

@@ -167,3 +167,32 @@ def test_a_reader_woken_by_the_engine_is_out_at_once_without_vllms_abort():
         assert isinstance(engine.error, EngineDeadError) and engine.aborted == [] and not gen.lingering
 
     asyncio.run(run())
+
+
+def test_a_finished_request_ends_as_in_vllm_serve_not_by_vllms_abort():
+    """The reader stops at the finished output (``Streams._choice`` breaks there): vLLM's
+    generator has already returned after it, so nothing aborts a request that finished."""
+
+    class Finishing(Engine):
+        async def generate(self, prompt, params, request_id):
+            try:
+                for i in range(3):
+                    await asyncio.sleep(0)
+                    yield SimpleNamespace(n=i, finished=i == 2)
+            except (asyncio.CancelledError, GeneratorExit):
+                self.aborted.append(request_id)
+                raise
+
+    async def run():
+        engine, s = Finishing(), streams()
+        gen, got = generation(engine), []
+        agen = s.read(gen, {}, None, "r")
+        async for out in agen:
+            got.append(out.n)
+            if out.finished:
+                break
+        await agen.aclose()
+        await asyncio.sleep(0.01)
+        assert got == [0, 1, 2] and engine.aborted == [] and not gen.lingering and not gen.readers
+
+    asyncio.run(run())
