@@ -49,8 +49,8 @@ class Generation:
     engine: Any  # vllm.v1.engine.async_llm.AsyncLLM
     shm_before: set[str]
     build_s: float
-    # each engine stream's reader (supervisor.stream.Reader) -> (start time, the reader)
-    readers: dict[Any, tuple[float, Any]] = field(default_factory=dict)
+    # each engine stream's reader (supervisor.stream.Reader)
+    readers: set[Any] = field(default_factory=set)
     # what is still inside AsyncLLM.generate's abort of this engine (a dead one may never
     # answer): interrupted readers, and the closes of streams their readers left
     lingering: set[Any] = field(default_factory=set)

@@ -291,7 +291,7 @@ class Streams:
         client_id = client_id or request_id
         choice = choice or client_id
         reader = Reader(request_id)  # the hang check tells the canary by its name
-        gen.readers[reader] = (time.monotonic(), reader)
+        gen.readers.add(reader)
         self._live.setdefault(client_id, {})[choice] = (gen, request_id)
         stream = gen.engine.generate(prompt, params, request_id, **(kwargs or {}))
         ended = False  # the engine's generator has finished (returned or raised)
@@ -324,7 +324,7 @@ class Streams:
             if last is not None:
                 yield last
         finally:
-            gen.readers.pop(reader, None)
+            gen.readers.discard(reader)
             live = self._live.get(client_id, {})
             if live.get(choice, (None, None))[1] == request_id:
                 del live[choice]

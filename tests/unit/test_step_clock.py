@@ -52,7 +52,7 @@ def test_a_long_prefill_is_progress_a_stopped_engine_is_not():
     clock = StepClock()
     gen = generation(clock)
     now = time.monotonic()
-    gen.readers[waiting(now - 20)] = (now - 20, None)  # a stream 20 s old
+    gen.readers.add(waiting(now - 20))  # a stream 20 s old
     gen.last_output_monotonic = now - 20  # and no token since it began
     clock.steps, clock.last_monotonic = 40, now - 1  # but the engine stepped a second ago (prefill chunks)
     assert stalled(gen, 4.0, now) is None
@@ -70,9 +70,9 @@ def test_new_arrivals_do_not_hide_a_hang_and_a_new_stream_gets_its_time():
     now = time.monotonic()
     clock.steps, clock.last_monotonic = 3, now - 60  # the engine last stepped a minute ago
     gen.last_output_monotonic = now - 60
-    gen.readers[waiting(now - 2)] = (now - 2, None)  # the oldest stream arrived 2 s ago
+    gen.readers.add(waiting(now - 2))  # the oldest stream arrived 2 s ago
     assert stalled(gen, 4.0, now) is None  # it has not waited hang_timeout_s yet
-    gen.readers[waiting(now - 0.1)] = (now - 0.1, None)
+    gen.readers.add(waiting(now - 0.1))
     assert stalled(gen, 4.0, now + 2.5) is not None  # 4.5 s for the oldest: hung, arrivals or not
 
 
@@ -85,7 +85,7 @@ def test_a_new_generations_first_steps_may_compile_kernels():
     clock = StepClock()
     gen = Generation(1, "g1", object(), set(), 0.0, steps=clock, first_steps=64, first_steps_timeout_s=90.0)
     now = time.monotonic()
-    gen.readers[waiting(now - 60)] = (now - 60, None)
+    gen.readers.add(waiting(now - 60))
     gen.last_output_monotonic = now - 60
     clock.steps, clock.last_monotonic = 3, now - 30  # step 4 compiles for 30 s: not hung
     assert stalled(gen, 4.0, now) is None
@@ -103,13 +103,14 @@ def test_a_new_generations_first_steps_may_compile_kernels():
 def test_without_steps_reported_tokens_are_the_clock():
     gen = generation(StepClock())  # stats off: never ticks
     now = time.monotonic()
-    gen.readers[waiting(now - 10)] = (now - 10, None)
+    gen.readers.add(waiting(now - 10))
     gen.last_output_monotonic = now - 1
     assert stalled(gen, 4.0, now) is None
     gen.last_output_monotonic = now - 6
     assert stalled(gen, 4.0, now).startswith("no token for 6.0 s")
     bare = generation(None)  # no clock at all: the same
-    bare.readers[waiting(now - 10)], bare.last_output_monotonic = (now - 10, None), now - 6
+    bare.readers.add(waiting(now - 10))
+    bare.last_output_monotonic = now - 6
     assert stalled(bare, 4.0, now).startswith("no token for 6.0 s")
 
 
@@ -260,7 +261,7 @@ def test_a_reader_waiting_on_its_client_is_not_waiting_on_the_engine():
     gen = generation(StepClock())
     now = time.monotonic()
     gen.last_output_monotonic = now - 60
-    gen.readers[waiting(now - 60, on_engine=False)] = (now - 60, None)
+    gen.readers.add(waiting(now - 60, on_engine=False))
     assert stalled(gen, 4.0, now) is None
-    gen.readers[waiting(now - 5)] = (now - 5, None)  # another stream has waited 5 s on no token
+    gen.readers.add(waiting(now - 5))  # another stream has waited 5 s on no token
     assert stalled(gen, 4.0, now).startswith("no token for 5.0 s with 2 stream(s)")

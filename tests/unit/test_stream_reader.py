@@ -66,13 +66,19 @@ async def read(s: Streams, gen: Generation, got: list, rid: str = "r") -> str:
     return "ended"
 
 
+async def waiting_on(engine: Engine) -> tuple[Generation, Streams, asyncio.Task, list]:
+    """A client's task reading ``engine`` until its reader waits on the hung engine."""
+    gen, s, got = generation(engine), streams(), []
+    task = asyncio.create_task(read(s, gen, got))
+    while len(got) < engine.outputs or not next(iter(gen.readers)).waiting:
+        await asyncio.sleep(0.01)
+    return gen, s, task, got
+
+
 def test_a_reader_waiting_on_a_hung_engine_is_interrupted_and_its_task_goes_on():
     async def run():
-        engine, got = Engine(), []
-        gen, s = generation(engine), streams()
-        task = asyncio.create_task(read(s, gen, got))
-        while len(got) < 3 or not next(iter(gen.readers)).waiting:
-            await asyncio.sleep(0.01)
+        engine = Engine()
+        gen, s, task, got = await waiting_on(engine)
         gen.interrupt_streams()
         assert await task == "interrupted" and got == [0, 1, 2]
         assert task.cancelling() == 0 and not gen.readers and not gen.lingering and not s._live
@@ -99,11 +105,8 @@ def test_a_reader_between_outputs_stops_before_it_reads_again_and_the_stream_is_
 
 def test_a_clients_own_cancel_stays_a_cancel_during_an_interruption():
     async def run():
-        engine, got = Engine(abort_hangs=False), []
-        gen, s = generation(engine), streams()
-        task = asyncio.create_task(read(s, gen, got))
-        while len(got) < 3 or not next(iter(gen.readers)).waiting:
-            await asyncio.sleep(0.01)
+        engine = Engine(abort_hangs=False)
+        gen, s, task, got = await waiting_on(engine)
         gen.interrupt_streams()
         task.cancel()  # the client went away at the same moment
         with pytest.raises(asyncio.CancelledError):
@@ -115,11 +118,8 @@ def test_a_clients_own_cancel_stays_a_cancel_during_an_interruption():
 
 def test_a_reader_stuck_in_a_dead_engines_abort_lingers_until_the_reap():
     async def run():
-        engine, got = Engine(abort_hangs=True), []
-        gen, s = generation(engine), streams()
-        task = asyncio.create_task(read(s, gen, got))
-        while len(got) < 3 or not next(iter(gen.readers)).waiting:
-            await asyncio.sleep(0.01)
+        engine = Engine(abort_hangs=True)
+        gen, s, task, got = await waiting_on(engine)
         gen.interrupt_streams()
         await asyncio.sleep(0.05)
         assert not task.done() and len(gen.lingering) == 1  # inside the abort that never returns
@@ -157,11 +157,8 @@ def test_a_reader_woken_by_the_engine_is_out_at_once_without_vllms_abort():
     from vllm.v1.engine.exceptions import EngineDeadError
 
     async def run():
-        engine, got = Engine(abort_hangs=True, collectors=True), []
-        gen, s = generation(engine), streams()
-        task = asyncio.create_task(read(s, gen, got))
-        while len(got) < 3 or not next(iter(gen.readers)).waiting:
-            await asyncio.sleep(0.01)
+        engine = Engine(abort_hangs=True, collectors=True)
+        gen, s, task, got = await waiting_on(engine)
         gen.interrupt_streams()
         assert await asyncio.wait_for(task, 1) == "interrupted"
         assert isinstance(engine.error, EngineDeadError) and engine.aborted == [] and not gen.lingering
