@@ -109,72 +109,6 @@ def last_recovery(daemon: Daemon) -> dict:
 # TP=2: several faults in a row on one daemon
 
 
-@pytest.fixture(scope="module")
-def tp2(tmp_path_factory, ray_head):
-    with start_daemon(tmp_path_factory.mktemp("chaos-tp2"), ray_head, tp=2, max_restarts=20) as d:
-        d.wait_ready()
-        inject.prepare(ray_head.address)  # so a fault lands mid-stream, not after a first vLLM import
-        yield d, reference(d)
-        finish(d, ray_head)
-
-
-def test_tp2_ray_kill_rank1_mid_stream(tp2, ray_head):
-    daemon, ref = tp2
-    before = daemon.wait_standby()["generation"]
-    records, info = asyncio.run(_batch(daemon, 8, lambda: inject.kill_worker(ray_head.address, rank=1)))
-    assert_all_exact(records, ref)
-    assert_clean_generation(daemon, ray_head, before)
-    rec = last_recovery(daemon)
-    assert rec["ok"] and rec["reason"] == "worker_death"
-    assert rec["standby"] == {"result": "adopted", "adopted_ranks": [0, 1]}, rec  # both ranks pre-started
-    detect_ms = (rec["detected_monotonic"] - info["monotonic"]) * 1000
-    assert 0 <= detect_ms < 5000, detect_ms
-    print(f"\nTP=2 kill rank 1: detection {detect_ms:.0f} ms, recovery phases {rec['phases_s']}")
-
-
-@pytest.mark.extended
-def test_tp2_second_kill_while_recovering(tp2, ray_head):
-    """A second kill, of the next generation's adopted worker while that generation is being
-    built: the daemon records it (that build fails and counts as a restart) and builds another."""
-    daemon, ref = tp2
-    s0 = daemon.wait_standby()  # so that the next generation adopts both ranks
-    before, restarts0 = s0["generation"], s0["restarts"]
-    log_start = len(daemon.log_path.read_text(errors="replace").splitlines())
-    second: dict = {}
-
-    def double_fault():
-        first = inject.kill_worker(ray_head.address, rank=1)
-        up = re.compile(rf"generation {before + 1}: \d+ Ray worker actor\(s\) up: .*adopted standby ranks: \[0, 1\]")
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            # generation before+1 is being built, on the warm standby's workers (its executor
-            # adopted both and logged it): kill one of them mid-build
-            if any(up.search(line) for line in daemon.log_path.read_text(errors="replace").splitlines()[log_start:]):
-                second.update(inject.kill_worker(ray_head.address, rank=0, match=f"-g{before + 1}_"))
-                return first
-            time.sleep(0.05)
-        raise AssertionError(f"generation {before + 1}'s workers were never adopted:\n{daemon.tail()}")
-
-    records, _ = asyncio.run(_batch(daemon, 6, double_fault))
-    assert_all_exact(records, ref)
-    s = assert_clean_generation(daemon, ray_head, before)
-    assert second["killed"].endswith(f"-g{before + 1}_TP0"), second
-    # the second kill counted: generation before+1's build failed (the executor's report doomed
-    # it, or the build raised), recorded as a build failure of that generation and a restart
-    failed = [line for line in daemon.log_lines()
-              if line.get("event") in ("engine failed while starting", "engine build failed")
-              and line.get("failed_generation") == before + 1]
-    grew = {k: v - restarts0.get(k, 0) for k, v in s["restarts"].items() if v != restarts0.get(k, 0)}
-    assert grew.get("worker_death", 0) == 1 and grew.get("build_failed", 0) >= 1, (
-        f"restarts {restarts0} -> {s['restarts']}: the second kill was not counted; failure lines {failed}")
-    assert failed, f"no failure of generation {before + 1} recorded:\n{daemon.tail()}"
-    assert s["generation"] >= before + 2, s
-    rec = next(r for r in reversed(s["recoveries"]) if r["from_generation"] == before)
-    assert rec["ok"] and rec["reason"] == "worker_death" and rec["to_generation"] == s["generation"], rec
-    print(f"\ndouble fault: generation {before} -> {s['generation']}, restarts {restarts0} -> {s['restarts']}, "
-          f"failures of {before + 1}: {[line['event'] for line in failed]}")
-
-
 def one_fault(tp2, ray_head, fault) -> tuple[dict, dict]:
     """6 streams, ``fault()`` mid-stream: every text exact, a clean next generation.
     Returns what the fault returned and the recovery's record."""
@@ -186,108 +120,180 @@ def one_fault(tp2, ray_head, fault) -> tuple[dict, dict]:
     return info, last_recovery(daemon)
 
 
-def test_tp2_sigstop_hang_is_detected_and_recovered(tp2, ray_head):
-    info, rec = one_fault(tp2, ray_head, lambda: inject.signal_worker(ray_head.address, signal.SIGSTOP, rank=0))
-    assert rec["reason"] == "hang" and "no engine step for" in rec["detail"], rec  # the step clock, not tokens
-    assert_process_gone(info["pid"])
+class TestTP2:
+    """One TP=2 daemon through several faults in a row; it ends with this class, whatever a
+    selection (``-k``, ``-m``) leaves of it, so a later daemon finds the head's CPUs free."""
+
+    @pytest.fixture(scope="class")
+    def tp2(self, tmp_path_factory, ray_head):
+        with start_daemon(tmp_path_factory.mktemp("chaos-tp2"), ray_head, tp=2, max_restarts=20) as d:
+            d.wait_ready()
+            inject.prepare(ray_head.address)  # so a fault lands mid-stream, not after a first vLLM import
+            yield d, reference(d)
+            finish(d, ray_head)
 
 
-def test_tp2_sigkill_engine_core(tp2, ray_head):
-    daemon, _ = tp2
-    _, rec = one_fault(tp2, ray_head, lambda: inject.kill_engine_core(daemon.proc.pid))
-    assert rec["reason"] == "engine_dead", rec  # the executor died with it: no worker report
+    def test_tp2_ray_kill_rank1_mid_stream(self, tp2, ray_head):
+        daemon, ref = tp2
+        before = daemon.wait_standby()["generation"]
+        records, info = asyncio.run(_batch(daemon, 8, lambda: inject.kill_worker(ray_head.address, rank=1)))
+        assert_all_exact(records, ref)
+        assert_clean_generation(daemon, ray_head, before)
+        rec = last_recovery(daemon)
+        assert rec["ok"] and rec["reason"] == "worker_death"
+        assert rec["standby"] == {"result": "adopted", "adopted_ranks": [0, 1]}, rec  # both ranks pre-started
+        detect_ms = (rec["detected_monotonic"] - info["monotonic"]) * 1000
+        assert 0 <= detect_ms < 5000, detect_ms
+        print(f"\nTP=2 kill rank 1: detection {detect_ms:.0f} ms, recovery phases {rec['phases_s']}")
 
 
-@pytest.mark.extended
-def test_tp2_sigkill_of_a_worker_process(tp2, ray_head):
-    _, rec = one_fault(tp2, ray_head, lambda: inject.signal_worker(ray_head.address, signal.SIGKILL, rank=0))
-    assert rec["reason"] == "worker_death" and "rank(s) [0]" in rec["detail"] and rec["cause"] == "exited", rec
+    @pytest.mark.extended
+    def test_tp2_second_kill_while_recovering(self, tp2, ray_head):
+        """A second kill, of the next generation's adopted worker while that generation is being
+        built: the daemon records it (that build fails and counts as a restart) and builds another."""
+        daemon, ref = tp2
+        s0 = daemon.wait_standby()  # so that the next generation adopts both ranks
+        before, restarts0 = s0["generation"], s0["restarts"]
+        log_start = len(daemon.log_path.read_text(errors="replace").splitlines())
+        second: dict = {}
+
+        def double_fault():
+            first = inject.kill_worker(ray_head.address, rank=1)
+            up = re.compile(rf"generation {before + 1}: \d+ Ray worker actor\(s\) up: .*adopted standby ranks: \[0, 1\]")
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                # generation before+1 is being built, on the warm standby's workers (its executor
+                # adopted both and logged it): kill one of them mid-build
+                if any(up.search(line) for line in daemon.log_path.read_text(errors="replace").splitlines()[log_start:]):
+                    second.update(inject.kill_worker(ray_head.address, rank=0, match=f"-g{before + 1}_"))
+                    return first
+                time.sleep(0.05)
+            raise AssertionError(f"generation {before + 1}'s workers were never adopted:\n{daemon.tail()}")
+
+        records, _ = asyncio.run(_batch(daemon, 6, double_fault))
+        assert_all_exact(records, ref)
+        s = assert_clean_generation(daemon, ray_head, before)
+        assert second["killed"].endswith(f"-g{before + 1}_TP0"), second
+        # the second kill counted: generation before+1's build failed (the executor's report doomed
+        # it, or the build raised), recorded as a build failure of that generation and a restart
+        failed = [line for line in daemon.log_lines()
+                  if line.get("event") in ("engine failed while starting", "engine build failed")
+                  and line.get("failed_generation") == before + 1]
+        grew = {k: v - restarts0.get(k, 0) for k, v in s["restarts"].items() if v != restarts0.get(k, 0)}
+        assert grew.get("worker_death", 0) == 1 and grew.get("build_failed", 0) >= 1, (
+            f"restarts {restarts0} -> {s['restarts']}: the second kill was not counted; failure lines {failed}")
+        assert failed, f"no failure of generation {before + 1} recorded:\n{daemon.tail()}"
+        assert s["generation"] >= before + 2, s
+        rec = next(r for r in reversed(s["recoveries"]) if r["from_generation"] == before)
+        assert rec["ok"] and rec["reason"] == "worker_death" and rec["to_generation"] == s["generation"], rec
+        print(f"\ndouble fault: generation {before} -> {s['generation']}, restarts {restarts0} -> {s['restarts']}, "
+              f"failures of {before + 1}: {[line['event'] for line in failed]}")
 
 
-@pytest.mark.extended
-def test_tp2_kill_all_workers(tp2, ray_head):
-    info, rec = one_fault(tp2, ray_head, lambda: inject.kill_all_workers(ray_head.address))
-    assert len(info["killed"]) == 2
-    assert rec["reason"] == "worker_death" and rec["cause"] == "killed", rec
+    def test_tp2_sigstop_hang_is_detected_and_recovered(self, tp2, ray_head):
+        info, rec = one_fault(tp2, ray_head, lambda: inject.signal_worker(ray_head.address, signal.SIGSTOP, rank=0))
+        assert rec["reason"] == "hang" and "no engine step for" in rec["detail"], rec  # the step clock, not tokens
+        assert_process_gone(info["pid"])
 
 
-def test_tp2_hang_while_idle_is_found_by_the_canary(tp2, ray_head):
-    """No request running: the next one-token canary finds the stopped worker. The canary is a
-    stream like any other, so with ``hang_timeout_s`` below ``probe_timeout_s`` (the defaults)
-    its stall is the hang ("no engine step … with the idle canary running"), found within
-    ``canary_interval_s`` + ``hang_timeout_s`` and a check; ``/readyz`` is 503 from then on
-    until the new generation serves."""
-    daemon, ref = tp2
-    before = daemon.status()["generation"]
-    info = inject.signal_worker(ray_head.address, signal.SIGSTOP, rank=1)
-    s = daemon.wait_generation(before + 1, timeout_s=240)
-    rec = s["recoveries"][-1]
-    assert rec["reason"] == "hang" and "with the idle canary running" in rec["detail"], rec
-    bound = FAST_PROBES["canary_interval_s"] + FAST_PROBES["probe_interval_s"] + FAST_PROBES["hang_timeout_s"] + 1.0
-    assert rec["detected_monotonic"] - info["monotonic"] <= bound, (rec, info)
-    assert daemon.get("/readyz").status_code == 200
-    records, _ = asyncio.run(_batch(daemon, 4, None))
-    assert_all_exact(records, ref)
-    assert_clean_generation(daemon, ray_head, before)
-    assert_process_gone(info["pid"])
+    def test_tp2_sigkill_engine_core(self, tp2, ray_head):
+        daemon, _ = tp2
+        _, rec = one_fault(tp2, ray_head, lambda: inject.kill_engine_core(daemon.proc.pid))
+        assert rec["reason"] == "engine_dead", rec  # the executor died with it: no worker report
 
 
-def test_tp2_stop_leaves_nothing(tp2, ray_head):
-    stop_leaves_nothing(tp2[0], ray_head)
+    @pytest.mark.extended
+    def test_tp2_sigkill_of_a_worker_process(self, tp2, ray_head):
+        _, rec = one_fault(tp2, ray_head, lambda: inject.signal_worker(ray_head.address, signal.SIGKILL, rank=0))
+        assert rec["reason"] == "worker_death" and "rank(s) [0]" in rec["detail"] and rec["cause"] == "exited", rec
+
+
+    @pytest.mark.extended
+    def test_tp2_kill_all_workers(self, tp2, ray_head):
+        info, rec = one_fault(tp2, ray_head, lambda: inject.kill_all_workers(ray_head.address))
+        assert len(info["killed"]) == 2
+        assert rec["reason"] == "worker_death" and rec["cause"] == "killed", rec
+
+
+    def test_tp2_hang_while_idle_is_found_by_the_canary(self, tp2, ray_head):
+        """No request running: the next one-token canary finds the stopped worker. The canary is a
+        stream like any other, so with ``hang_timeout_s`` below ``probe_timeout_s`` (the defaults)
+        its stall is the hang ("no engine step … with the idle canary running"), found within
+        ``canary_interval_s`` + ``hang_timeout_s`` and a check; ``/readyz`` is 503 from then on
+        until the new generation serves."""
+        daemon, ref = tp2
+        before = daemon.status()["generation"]
+        info = inject.signal_worker(ray_head.address, signal.SIGSTOP, rank=1)
+        s = daemon.wait_generation(before + 1, timeout_s=240)
+        rec = s["recoveries"][-1]
+        assert rec["reason"] == "hang" and "with the idle canary running" in rec["detail"], rec
+        bound = FAST_PROBES["canary_interval_s"] + FAST_PROBES["probe_interval_s"] + FAST_PROBES["hang_timeout_s"] + 1.0
+        assert rec["detected_monotonic"] - info["monotonic"] <= bound, (rec, info)
+        assert daemon.get("/readyz").status_code == 200
+        records, _ = asyncio.run(_batch(daemon, 4, None))
+        assert_all_exact(records, ref)
+        assert_clean_generation(daemon, ray_head, before)
+        assert_process_gone(info["pid"])
+
+
+    def test_tp2_stop_leaves_nothing(self, tp2, ray_head):
+        stop_leaves_nothing(tp2[0], ray_head)
 
 
 # --------------------------------------------------------------------------------------
 # TP=1: admission during recovery, then the restart budget runs out
 
 
-@pytest.fixture(scope="module")
-def tp1(tmp_path_factory, ray_head):
-    with start_daemon(tmp_path_factory.mktemp("chaos-tp1"), ray_head, tp=1, admission_queue_size=2) as d:
-        d.wait_ready()
-        inject.prepare(ray_head.address)  # so a fault lands mid-stream, not after a first vLLM import
-        yield d, reference(d)
-        finish(d, ray_head)
+class TestTP1:
+    """One TP=1 daemon with a small admission queue; it ends with this class."""
+
+    @pytest.fixture(scope="class")
+    def tp1(self, tmp_path_factory, ray_head):
+        with start_daemon(tmp_path_factory.mktemp("chaos-tp1"), ray_head, tp=1, admission_queue_size=2) as d:
+            d.wait_ready()
+            inject.prepare(ray_head.address)  # so a fault lands mid-stream, not after a first vLLM import
+            yield d, reference(d)
+            finish(d, ray_head)
 
 
-def test_tp1_kill_with_arrivals_during_recovery(tp1, ray_head):
-    daemon, ref = tp1
-    before = daemon.status()["generation"]
-    arrivals: list = []
+    def test_tp1_kill_with_arrivals_during_recovery(self, tp1, ray_head):
+        daemon, ref = tp1
+        before = daemon.status()["generation"]
+        arrivals: list = []
 
-    def kill_then_send_more():
-        info = inject.kill_worker(ray_head.address, rank=0)
-        wait_state(daemon, "recovering", timeout_s=10)
-        # Five new requests while RECOVERING: two fit the admission queue, three get 503.
-        result: dict = {}
-        thread = threading.Thread(target=lambda: result.update(r=asyncio.run(_batch(daemon, 5, None, offset=3))))
-        thread.start()
-        arrivals.append((thread, result))
-        return info
+        def kill_then_send_more():
+            info = inject.kill_worker(ray_head.address, rank=0)
+            wait_state(daemon, "recovering", timeout_s=10)
+            # Five new requests while RECOVERING: two fit the admission queue, three get 503.
+            result: dict = {}
+            thread = threading.Thread(target=lambda: result.update(r=asyncio.run(_batch(daemon, 5, None, offset=3))))
+            thread.start()
+            arrivals.append((thread, result))
+            return info
 
-    records, _ = asyncio.run(_batch(daemon, 6, kill_then_send_more))
-    thread, result = arrivals[0]
-    thread.join(300)
-    assert_all_exact(records, ref)
-    late = result["r"][0]
-    served = [r for r in late if r.outcome == "ok"]
-    rejected = [r for r in late if r.outcome != "ok"]
-    assert len(served) == 2 and len(rejected) == 3, [(r.outcome, r.status, r.error[:80]) for r in late]
-    assert all(r.status == 503 and "admission queue is full" in r.error for r in rejected)
-    assert compare(served, ref)["mismatched"] == 0
-    assert_clean_generation(daemon, ray_head, before)
-    assert daemon.status()["requests"]["continued"] >= 6
+        records, _ = asyncio.run(_batch(daemon, 6, kill_then_send_more))
+        thread, result = arrivals[0]
+        thread.join(300)
+        assert_all_exact(records, ref)
+        late = result["r"][0]
+        served = [r for r in late if r.outcome == "ok"]
+        rejected = [r for r in late if r.outcome != "ok"]
+        assert len(served) == 2 and len(rejected) == 3, [(r.outcome, r.status, r.error[:80]) for r in late]
+        assert all(r.status == 503 and "admission queue is full" in r.error for r in rejected)
+        assert compare(served, ref)["mismatched"] == 0
+        assert_clean_generation(daemon, ray_head, before)
+        assert daemon.status()["requests"]["continued"] >= 6
 
 
-def test_tp1_stop_leaves_nothing(tp1, ray_head):
-    """Stopped here, not killed at teardown: a SIGKILLed daemon leaves its rings behind."""
-    stop_leaves_nothing(tp1[0], ray_head)
+    def test_tp1_stop_leaves_nothing(self, tp1, ray_head):
+        """Stopped here, not killed at teardown: a SIGKILLed daemon leaves its rings behind."""
+        stop_leaves_nothing(tp1[0], ray_head)
 
 
 @pytest.mark.extended
 def test_restart_intensity_exhausted_exits_3_and_leaves_nothing(tmp_path, own_ray_head):
     """Its own daemon with a budget of zero restarts, on a head of its own: the first kill
-    exhausts it, whatever ran before (in ``make extended`` the TP=2 daemon still holds the
-    module's head: its stop test is in the default tier)."""
+    exhausts it, whatever ran before on the module's head."""
     ray_head = own_ray_head
     inject.disconnect()  # the injector joins this head, not the module's
     with start_daemon(tmp_path, ray_head, tp=1, max_restarts=0) as daemon:
