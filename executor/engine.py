@@ -147,6 +147,18 @@ def child_pids(parents: set[int], cmd_prefix: bytes = b"") -> list[int]:
     return children(parents, cmd_prefix)
 
 
+ENGINE_CORE_TITLE = b"VLLM::EngineCore"  # vLLM's process title for an engine core
+
+
+def engine_cores_under(root: int) -> set[int]:
+    """The live engine-core processes among ``root``'s descendants (vLLM's own, or the fork
+    server's children), by vLLM's process title."""
+    from executor.procfs import read
+    from executor.reaper import descendants
+
+    return {pid for pid, _ in descendants(root) if (read(pid, "cmdline") or b"").startswith(ENGINE_CORE_TITLE)}
+
+
 def engine_worker_pids(engine) -> list[int]:
     """PIDs of the engine core's child processes (the ``mp`` executor's workers)."""
     return child_pids(set(engine_core_pids(engine)))

@@ -13,6 +13,7 @@ while it ran.
 from __future__ import annotations
 
 import copy
+import os
 import threading
 import time
 from typing import Any
@@ -24,6 +25,9 @@ from supervisor.raylink import RayLink
 
 log = logs.get_logger("vllm_supervisor.builder")
 
+
+class BuildAbandoned(RuntimeError):
+    """A build not started because the daemon is stopping."""
 
 
 class EngineBuilder:
@@ -40,6 +44,8 @@ class EngineBuilder:
         self._shm_before: dict[int, set[str]] = {}  # generation -> the rings before its build began
         self._shm_owned: dict[int, set[str]] = {}  # generation -> the rings its build made (until torn down)
         self._shm_at_build_start: set[str] | None = None  # while a build runs: the rings before it began
+        self._cores_at_build_start: set[int] | None = None  # while a build runs: the engine cores before it began
+        self.abandoned = False  # the daemon is stopping: no build starts, the one under way is cut short
         self._replica_metrics: Any = None  # executor.replica_metrics.ReplicaMetrics, with replicas
         # rings of torn-down generations still mapped when their teardown stopped waiting: a
         # worker that has not exited (stopped, or on a partitioned host); swept once unmapped
@@ -95,7 +101,7 @@ class EngineBuilder:
         """Build generation ``number`` of ``replica``; ``standby`` (``Standby.claim``'s answer)
         says what it may adopt: the fork server for its engine core, standby workers from a
         namespace."""
-        from executor.engine import EngineSpec, build_engine
+        from executor.engine import EngineSpec, build_engine, engine_cores_under
         from executor.shm import vllm_segments
         from executor.steps import StepClock
 
@@ -104,7 +110,10 @@ class EngineBuilder:
         epoch = self.config_epoch
         steps = None if testhooks.token_clock_only() else StepClock()
         with self._building:
+            if self.abandoned:
+                raise BuildAbandoned(f"generation {number} not built: the daemon is stopping")
             self.sweep_deferred()
+            self._cores_at_build_start = engine_cores_under(os.getpid())
             shm_before = self._shm_before[number] = self._shm_at_build_start = vllm_segments()
             started = time.monotonic()
             log.info("building engine", engine_generation=number, instance_id=instance_id, replica=replica,
@@ -120,7 +129,7 @@ class EngineBuilder:
                 ))
                 self._shm_owned[number] = vllm_segments() - shm_before
             finally:
-                self._shm_at_build_start = None
+                self._shm_at_build_start = self._cores_at_build_start = None
         build_s = time.monotonic() - started
         log.info("engine up", engine_generation=number, replica=replica, build_s=round(build_s, 2))
         from executor.engine import is_cpu_platform
@@ -128,6 +137,23 @@ class EngineBuilder:
         cfg = self.settings.supervisor
         return Generation(number, instance_id, engine, shm_before, build_s, replica=replica, epoch=epoch, steps=steps,
                           first_steps=cfg.hang_first_steps, first_steps_timeout_s=cfg.first_steps_timeout(is_cpu_platform()))
+
+    def abandon_builds(self, wait_s: float = 30.0) -> list[int]:
+        """The stop waits for no build (systemd's stop timeout is the drain's plus a minute; an
+        engine start that hangs, on a worker that never answers or a Ray cluster gone, would
+        hold it for vLLM's start-up timeout): no build starts from now on, and the engine core
+        of the one under way is killed (again, if it starts only after this call), so vLLM's
+        start-up hand-shake fails at once and the build's own failure path cleans up. Returns
+        the PIDs killed."""
+        from executor.engine import engine_cores_under, kill_pids
+
+        self.abandoned = True
+        killed: list[int] = []
+        deadline = time.monotonic() + wait_s
+        while (before := self._cores_at_build_start) is not None and time.monotonic() < deadline:
+            killed += kill_pids(sorted(engine_cores_under(os.getpid()) - before - set(killed)))
+            time.sleep(0.2)
+        return killed
 
     def front(self, engine: Any) -> tuple[Any, Any]:
         """The request path's own renderer and input processor (they outlive ``engine``)."""

@@ -336,10 +336,11 @@ class Owner:
         if rep.record is not None:
             rep.record.phases.update(event.phases)
         if event.error:
-            self._build_failed(rep, event.number, event.error)
-            if self.state is State.STOPPING:
+            if self.state is State.STOPPING:  # the stop cut it short, or it failed by itself: no restart follows
+                rep.last_error = event.error[:300]
                 rep.machine.transition(R.STOPPED, "stopping")
             else:
+                self._build_failed(rep, event.number, event.error)
                 self._attempt(rep)
             return
         if event.number in self.doomed or self.state is State.STOPPING:  # nobody wants it any more
@@ -566,6 +567,7 @@ class Owner:
         self.machine.transition(State.STOPPING, reason)
         self.plan = None
         self.stop = Stop()
+        self.p.spawn(self.p.work.abandon_builds())  # a build under way is cut short, none starts
         client = self.p.client
         if client.in_flight and self.exit_code == EXIT_OK and any(r.current for r in self.replicas):
             self.p.spawn(self.p.work.drain("stop", self.cfg.drain_timeout_s))

@@ -98,7 +98,11 @@ class Recovery:
             await self.hold(gen)
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
-            log.error("engine build failed", failed_generation=number, replica=replica, error=error[:500])
+            if builder.abandoned:  # the stop cut it short (``abandon_builds``)
+                log.info("engine build abandoned: the daemon is stopping", generation=number, replica=replica,
+                         error=error[:200])
+            else:
+                log.error("engine build failed", failed_generation=number, replica=replica, error=error[:500])
             try:
                 standby.build_failed(number)
                 if gen is not None:  # built, then a step after it failed: its engine goes too
@@ -158,6 +162,16 @@ class Recovery:
             except asyncio.TimeoutError:
                 log.warning("drain deadline passed", in_flight=self.client.in_flight, purpose=purpose)
         self.post(Drained(purpose))
+
+    async def abandon_builds(self) -> None:
+        """The stop waits for no build under way (``EngineBuilder.abandon_builds``)."""
+        try:
+            killed = await asyncio.to_thread(self.builder.abandon_builds)
+        except Exception:
+            log.exception("could not abandon the build under way")
+            return
+        if killed:
+            log.warning("stopping: the engine build under way was abandoned", engine_cores_killed=killed)
 
     async def finish_stop(self) -> None:
         """The last of a stop: the standby, then the Ray cluster."""

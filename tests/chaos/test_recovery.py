@@ -8,6 +8,7 @@ daemon must be READY on a new generation, and nothing of the old one may remain.
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import signal
 import threading
@@ -288,6 +289,40 @@ class TestTP1:
     def test_tp1_stop_leaves_nothing(self, tp1, ray_head):
         """Stopped here, not killed at teardown: a SIGKILLed daemon leaves its rings behind."""
         stop_leaves_nothing(tp1[0], ray_head)
+
+
+def test_a_stop_during_a_hung_build_cuts_it_short_and_leaves_nothing(tmp_path, ray_head):
+    """SIGTERM while a recovery's engine start hangs (its engine core stopped before it was
+    ready): the stop kills that engine core instead of waiting for vLLM's start-up timeout (600
+    s) or the stop's own deadline (``recovery_timeout_s``, 600 s), far past systemd's
+    ``TimeoutStopSec`` (90 s), and leaves nothing behind."""
+    from executor.engine import engine_cores_under
+
+    with start_daemon(tmp_path, ray_head, tp=1, standby="none") as daemon:
+        daemon.wait_ready()
+        first = engine_cores_under(daemon.proc.pid)
+        assert first, "no engine core found under the daemon"
+        inject.kill_worker(ray_head.address, rank=0)
+        deadline, stopped = time.monotonic() + 120, None
+        while stopped is None and time.monotonic() < deadline:
+            if new := engine_cores_under(daemon.proc.pid) - first:  # the next generation's, starting
+                stopped = min(new)
+                os.kill(stopped, signal.SIGSTOP)
+            time.sleep(0.05)
+        assert stopped is not None, f"no new engine core started:\n{daemon.tail()}"
+        time.sleep(2)
+        assert daemon.status()["state"] == "recovering", daemon.status()["state"]  # the build hangs
+        code, took_s = daemon.stop(signal.SIGTERM, timeout_s=60)
+        assert code == 0, daemon.tail()
+        assert took_s < 30, took_s
+        lines = daemon.log_lines()
+        assert any(line.get("event") == "stopping: the engine build under way was abandoned"
+                   and stopped in line.get("engine_cores_killed", []) for line in lines), daemon.tail()
+        assert not any(line.get("event") == "engine build failed" for line in lines), daemon.tail()
+        assert_process_gone(stopped)
+        daemon.assert_nothing_left()
+        assert inject.inspect(ray_head.address) == {"placement_groups": [], "actors": []}
+    print(f"\nstop during a hung build: exit 0 after {took_s:.1f} s")
 
 
 @pytest.mark.extended

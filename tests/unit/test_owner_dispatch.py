@@ -115,7 +115,7 @@ def test_a_first_start_that_cannot_prepare_fails_with_3():
     owner, spawned, _ = make()
     owner.dispatch(Prepared("could not start: no model"))
     assert owner.state is State.STOPPING and owner.exit_code == EXIT_FAILED
-    assert states(owner) == [R.STOPPED] and spawned == [("finish_stop",)]
+    assert states(owner) == [R.STOPPED] and spawned == [("abandon_builds",), ("finish_stop",)]
     owner.dispatch(StopFinished())
     assert owner.state is State.FAILED and "no model" in owner.machine.reason
 
@@ -314,7 +314,7 @@ def test_the_stop_drains_waits_for_work_under_way_then_tears_down():
     owner.dispatch(EngineFailed(2, "engine_dead", "x"))  # replica 1 tearing down
     spawned.clear()
     owner.dispatch(SignalReceived(signal.SIGTERM))
-    assert owner.state is State.STOPPING and spawned == [("drain", "stop", owner.cfg.drain_timeout_s)]
+    assert owner.state is State.STOPPING and spawned == [("abandon_builds",), ("drain", "stop", owner.cfg.drain_timeout_s)]
     owner.dispatch(SignalReceived(signal.SIGTERM))  # already stopping
     owner.dispatch(Drained("stop"))
     assert later == [StopDeadline()]
@@ -339,6 +339,22 @@ def test_the_stop_stops_waiting_at_its_deadline():
     late = gen(2)
     owner.dispatch(BuildFinished(0, 2, late))  # nobody waits for it: only its engine goes
     assert spawned[-1] == ("teardown", 0, late, False) and states(owner) == [R.STOPPED]
+
+
+def test_the_stop_cuts_a_build_short_and_counts_no_restart():
+    """A build under way when the stop begins is abandoned (its engine core killed: the build
+    fails at once), not waited for until the deadline; its failure is the stop's, not a restart."""
+    owner, spawned, _ = started()
+    owner.dispatch(EngineFailed(1, "engine_dead", "x"))
+    owner.dispatch(TeardownFinished(0, 1))
+    owner.dispatch(Placed(0))  # building, for a long time
+    restarts = dict(owner.restarts)
+    spawned.clear()
+    owner.dispatch(SignalReceived(signal.SIGTERM))
+    assert spawned[0] == ("abandon_builds",) and states(owner) == [R.BUILDING]
+    owner.dispatch(BuildFinished(0, 2, error="RuntimeError: Engine core initialization failed"))
+    assert states(owner) == [R.STOPPED] and spawned[-1] == ("finish_stop",)
+    assert owner.restarts == restarts
 
 
 @pytest.mark.parametrize("event", [Placed(0), BuildFinished(0, 9, error="x"), TeardownFinished(0, 9), RetryDue(0)])

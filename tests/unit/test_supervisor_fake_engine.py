@@ -290,6 +290,7 @@ class FakeBuilder:
     uses_ray = True
     config_epoch = 0
     model_path, served_model_name = "/fake", "fake"
+    abandoned = False
 
     def __init__(self, build_failures: int = 0):
         self.engines: list[FakeEngine] = []
@@ -325,6 +326,10 @@ class FakeBuilder:
 
     def cleanup_failed_build(self, number):
         pass
+
+    def abandon_builds(self, wait_s=30.0):
+        self.abandoned = True  # a fake build takes 0.05 s: nothing to cut short
+        return []
 
     def teardown(self, gen):
         gen.engine.shutdown()
