@@ -87,6 +87,7 @@ bench: venv
 	$(PY) -m pip uninstall --yes --quiet $(UNINSTALL) 2>/dev/null || true
 	$(PY) -m bench.serving_overhead --rounds 8
 	$(PY) -m bench.serving_overhead --saturation --rounds 3
+	$(PY) -m bench.serving_overhead --saturation --interleave --rounds 10 --num-prompts 200 --kinds vllm_serve daemon daemon_standby_none
 	$(PY) -m bench.profile --kinds vllm_serve daemon_standby_none
 	$(PY) -m bench.request_path --rounds 5 --json bench/results/request-path.json
 	$(PY) -m bench.recovery --tp 1 2 --kills 5 --anchors 2

@@ -14,6 +14,15 @@ Two modes:
 
     python -m bench.serving_overhead --rounds 3
     python -m bench.serving_overhead --saturation --rounds 3
+
+``--interleave``: the servers are started once and stay up side by side (on one Ray head), and
+each round measures each of them in turn, the order reversed every other round (A B, B A, ...).
+On a shared 2-core machine the capacity drifts by ±20 % over minutes; a round here takes
+seconds, so each pair is measured close together in time and a drift weighs on both alike. The
+idle server beside the measured one costs it what the other's idle costs the other.
+
+    python -m bench.serving_overhead --saturation --interleave --rounds 10 --num-prompts 200 \
+        --kinds vllm_serve daemon_standby_none
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ METRICS = [
     ("p50_itl_ms", "ITL p50", "lower"),
     ("p99_itl_ms", "ITL p99", "lower"),
     ("cpu_ms_per_token", "CPU per output token (ms, whole tree)", "lower"),
+    ("chunks_per_request", "stream chunks per request after the first", "info"),
 ]
 LABELS = {"vllm_serve": "vllm serve", "daemon": "daemon (defaults)", "daemon_standby_none": "daemon, standby none",
           "vllm_serve_mp": "vllm serve (mp)", "daemon_mp": "daemon (mp)"}
@@ -46,41 +56,96 @@ BASELINE = {"daemon": "vllm_serve", "daemon_standby_none": "vllm_serve", "daemon
 
 
 def start(kind: str, work: Path, head: RayHead):
+    """``kind``'s server, ready (stopped again if it never is)."""
     if kind in ("vllm_serve", "vllm_serve_mp"):
         server = VllmServe(work, head if kind == "vllm_serve" else None).start()
+    else:
+        server = start_daemon(work, head, executor="mp" if kind == "daemon_mp" else "ray",
+                              **({"standby": "none"} if kind in ("daemon_standby_none", "daemon_mp") else {}))
+    try:
         server.wait_ready()
-        return server
-    server = start_daemon(work, head, executor="mp" if kind == "daemon_mp" else "ray",
-                          **({"standby": "none"} if kind in ("daemon_standby_none", "daemon_mp") else {}))
-    server.wait_ready()
-    if kind == "daemon":
-        server.wait_standby()  # its standby built before the run, as in a server that has been up a while
+        if kind == "daemon":
+            server.wait_standby()  # its standby built before the run, as in a server that has been up a while
+    except BaseException:
+        server.stop()
+        raise
     return server
+
+
+def warm_up(server, work: Path, name: str, args) -> None:
+    """One short run, so every server is measured from a warm engine."""
+    bench_serve(server.base_url, work, f"warmup-{name}", 8, float("inf"), args.input_len, args.output_len, seed=99)
+
+
+def measure(server, work: Path, name: str, head: RayHead, args) -> dict:
+    """``vllm bench serve`` against ``server``, and the CPU its tree (and the Ray head's) spent."""
+    pids = tree(server.proc.pid, head.marker)
+    before = tree_cpu_s(pids)
+    result = bench_serve(server.base_url, work, name, args.num_prompts, args.rate, args.input_len,
+                         args.output_len, seed=0, max_concurrency=args.max_concurrency)
+    after = tree_cpu_s(tree(server.proc.pid, head.marker))
+    cpu = sum(after[p] - before.get(p, 0.0) for p in after)
+    result["cpu_s"] = cpu
+    result["cpu_ms_per_token"] = 1000 * cpu / max(1, result["total_output_tokens"])
+    # vLLM's collector merges the tokens a reader has not yet taken into one chunk: how many
+    # chunks a client read tells how often the server fell behind (the ITLs of a request sum to
+    # its e2e latency less its TTFT, so this is exact)
+    result["chunks_per_request"] = (result["mean_e2el_ms"] - result["mean_ttft_ms"]) / result["mean_itl_ms"]
+    assert result["failed"] == 0, result
+    return result
 
 
 def run_one(kind: str, work: Path, head: RayHead, r: int, args) -> dict:
     server = start(kind, work, head)
     try:
-        # one short warm-up so every server starts from a warm engine
-        bench_serve(server.base_url, work, f"warmup-{kind}-{r}", 8, float("inf"), args.input_len, args.output_len, seed=99)
-        pids = tree(server.proc.pid, head.marker)
-        before = tree_cpu_s(pids)
-        result = bench_serve(server.base_url, work, f"{kind}-{r}", args.num_prompts, args.rate, args.input_len,
-                             args.output_len, seed=0, max_concurrency=args.max_concurrency)
-        after = tree_cpu_s(tree(server.proc.pid, head.marker))
-        cpu = sum(after[p] - before.get(p, 0.0) for p in after)
-        result["cpu_s"] = cpu
-        result["cpu_ms_per_token"] = 1000 * cpu / max(1, result["total_output_tokens"])
-        assert result["failed"] == 0, result
-        return result
+        warm_up(server, work, f"{kind}-{r}", args)
+        return measure(server, work, f"{kind}-{r}", head, args)
     finally:
         server.stop()
+
+
+def run_rounds(kinds: list[str], work: Path, head: RayHead, args) -> dict[str, list[dict]]:
+    """Each round starts each server, measures it and stops it, in ``kinds``' order."""
+    runs: dict[str, list[dict]] = {k: [] for k in kinds}
+    for r in range(args.rounds):
+        for kind in kinds:
+            (work / f"{kind}-{r}").mkdir()
+            runs[kind].append(report(r, kind, run_one(kind, work / f"{kind}-{r}", head, r, args)))
+    return runs
+
+
+def run_interleaved(kinds: list[str], work: Path, head: RayHead, args) -> dict[str, list[dict]]:
+    """Every server up at once; each round measures each, the order reversed every other round."""
+    runs: dict[str, list[dict]] = {k: [] for k in kinds}
+    servers = {}
+    try:
+        for kind in kinds:
+            (work / kind).mkdir()
+            servers[kind] = start(kind, work / kind, head)
+        for kind in kinds:
+            warm_up(servers[kind], work / kind, kind, args)
+        for r in range(args.rounds):
+            for kind in (kinds if r % 2 == 0 else kinds[::-1]):
+                runs[kind].append(report(r, kind, measure(servers[kind], work / kind, f"{kind}-{r}", head, args)))
+    finally:
+        for server in servers.values():
+            server.stop()
+    return runs
+
+
+def report(r: int, kind: str, result: dict) -> dict:
+    print(f"round {r + 1} {kind}: {result['request_throughput']:.2f} req/s, {result['output_throughput']:.0f} tok/s, "
+          f"TTFT p50 {result['p50_ttft_ms']:.1f} ms, ITL p50 {result['p50_itl_ms']:.2f} ms, "
+          f"{result['cpu_ms_per_token']:.2f} CPU-ms/token, {result['chunks_per_request']:.1f} chunks/request", flush=True)
+    return result
 
 
 def main() -> int:
     parser = base_parser(__doc__)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--saturation", action="store_true", help="no rate limit, --max-concurrency streams")
+    parser.add_argument("--interleave", action="store_true",
+                        help="start the servers once, side by side, and alternate them within each round")
     parser.add_argument("--num-prompts", type=int)
     parser.add_argument("--rate", type=float)
     parser.add_argument("--max-concurrency", type=int)
@@ -100,17 +165,12 @@ def main() -> int:
     daemons = [k for k in kinds if k in BASELINE]
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
-    head = RayHead(num_cpus=2).start()
-    runs: dict[str, list[dict]] = {k: [] for k in kinds}
+    # side by side, each Ray V2 server's placement group needs its own CPU bundle: the head
+    # declares one logical CPU per server (the machine's cores are what they are)
+    ray_servers = sum(1 for k in kinds if not k.endswith("_mp"))
+    head = RayHead(num_cpus=max(2, ray_servers) if args.interleave else 2).start()
     try:
-        for r in range(args.rounds):
-            for kind in kinds:
-                (work / f"{kind}-{r}").mkdir()
-                result = run_one(kind, work / f"{kind}-{r}", head, r, args)
-                runs[kind].append(result)
-                print(f"round {r + 1} {kind}: {result['request_throughput']:.2f} req/s, {result['output_throughput']:.0f} tok/s, "
-                      f"TTFT p50 {result['p50_ttft_ms']:.1f} ms, ITL p50 {result['p50_itl_ms']:.2f} ms, "
-                      f"{result['cpu_ms_per_token']:.2f} CPU-ms/token", flush=True)
+        runs = (run_interleaved if args.interleave else run_rounds)(kinds, work, head, args)
     except BaseException:
         traceback.print_exc()
         raise
@@ -126,7 +186,9 @@ def main() -> int:
     mode = (f"saturation: {args.max_concurrency} streams always in flight, no rate limit" if args.saturation
             else f"{args.rate:g} req/s")
     table = [
-        f"Serving overhead, {time.strftime('%Y-%m-%d')}: {args.rounds} alternating rounds, {args.num_prompts} prompts, "
+        f"Serving overhead, {time.strftime('%Y-%m-%d')}: {args.rounds} "
+        f"{'interleaved rounds (the servers up side by side, the order reversed every other round)' if args.interleave else 'alternating rounds'}, "
+        f"{args.num_prompts} prompts, "
         f"{mode}, {args.input_len} in / {args.output_len} out tokens, TP=1, demo model on CPU, Ray V2 servers on one Ray head, mp servers without Ray",
         "",
         "| metric | " + " | ".join(f"ratio {LABELS[k]} / {LABELS[BASELINE[k]]} (min / median / max)" for k in daemons) + " | "
@@ -134,7 +196,7 @@ def main() -> int:
         "| --- | " + " | ".join("---" for _ in daemons) + " | " + " | ".join("---" for _ in kinds) + " |",
     ]
     for row in rows:
-        table.append(f"| {row['metric']} ({row['better']} is better) | "
+        table.append(f"| {row['metric']}{'' if row['better'] == 'info' else ' (' + row['better'] + ' is better)'} | "
                      + " | ".join(spread(row[f"ratios_{k}"]) for k in daemons) + " | "
                      + " | ".join(f"{statistics.median(row[k]):.2f}" for k in kinds) + " |")
     table += [
@@ -145,7 +207,7 @@ def main() -> int:
             f"{x['cpu_ms_per_token']:.2f}" for x in (runs[k][i] for k in kinds)) + " |" for i in range(args.rounds)],
     ]
     text = "\n".join(table) + "\n"
-    name = "serving_saturation" if args.saturation else "serving_overhead"
+    name = ("serving_saturation" if args.saturation else "serving_overhead") + ("_interleaved" if args.interleave else "")
     (args.out / f"{name}.md").write_text(text)
     (args.out / f"{name}.json").write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "rows": rows}, indent=2))
     print(text)
