@@ -18,8 +18,10 @@ Two modes:
 ``--interleave``: the servers are started once and stay up side by side (on one Ray head), and
 each round measures each of them in turn, the order reversed every other round (A B, B A, ...).
 On a shared 2-core machine the capacity drifts by ±20 % over minutes; a round here takes
-seconds, so each pair is measured close together in time and a drift weighs on both alike. The
-idle server beside the measured one costs it what the other's idle costs the other.
+seconds, so each pair is measured close together in time. Each server's CPU count includes the
+Ray head's processes, so the other servers' idle Ray workers too; the idle daemons beside it probe
+and send a canary now and then where an idle ``vllm serve`` does nothing, a small bias in the
+daemon's favour.
 
     python -m bench.serving_overhead --saturation --interleave --rounds 10 --num-prompts 200 \
         --kinds vllm_serve daemon_standby_none
@@ -90,7 +92,8 @@ def measure(server, work: Path, name: str, head: RayHead, args) -> dict:
     # vLLM's collector merges the tokens a reader has not yet taken into one chunk: how many
     # chunks a client read tells how often the server fell behind (the ITLs of a request sum to
     # its e2e latency less its TTFT, so this is exact)
-    result["chunks_per_request"] = (result["mean_e2el_ms"] - result["mean_ttft_ms"]) / result["mean_itl_ms"]
+    result["chunks_per_request"] = ((result["mean_e2el_ms"] - result["mean_ttft_ms"]) / result["mean_itl_ms"]
+                                    if result["mean_itl_ms"] else 0.0)  # one token each: no ITL
     assert result["failed"] == 0, result
     return result
 

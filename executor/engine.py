@@ -147,16 +147,25 @@ def child_pids(parents: set[int], cmd_prefix: bytes = b"") -> list[int]:
     return children(parents, cmd_prefix)
 
 
-ENGINE_CORE_TITLE = b"VLLM::EngineCore"  # vLLM's process title for an engine core
-
-
 def engine_cores_under(root: int) -> set[int]:
     """The live engine-core processes among ``root``'s descendants (vLLM's own, or the fork
-    server's children), by vLLM's process title."""
+    server's children), by the process title vLLM gives them (``set_process_title``:
+    ``{VLLM_PROCESS_NAME_PREFIX}::EngineCore``)."""
+    from vllm import envs
+
     from executor.procfs import read
     from executor.reaper import descendants
 
-    return {pid for pid, _ in descendants(root) if (read(pid, "cmdline") or b"").startswith(ENGINE_CORE_TITLE)}
+    title = f"{envs.VLLM_PROCESS_NAME_PREFIX}::EngineCore".encode()
+    return {pid for pid, _ in descendants(root) if (read(pid, "cmdline") or b"").startswith(title)}
+
+
+def with_descendants(pids: set[int]) -> list[int]:
+    """``pids`` and every live descendant of theirs (an ``mp`` engine core's workers), listed
+    before they are killed: a worker still starting does not watch its parent yet."""
+    from executor.reaper import descendants
+
+    return sorted(pids | {pid for root in pids for pid, _ in descendants(root)})
 
 
 def engine_worker_pids(engine) -> list[int]:

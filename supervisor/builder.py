@@ -46,6 +46,8 @@ class EngineBuilder:
         self._shm_at_build_start: set[str] | None = None  # while a build runs: the rings before it began
         self._cores_at_build_start: set[int] | None = None  # while a build runs: the engine cores before it began
         self.abandoned = False  # the daemon is stopping: no build starts, the one under way is cut short
+        self._building_number: int | None = None  # the generation being built (holding the lock)
+        self.cut_short: set[int] = set()  # generations whose build the stop cut short
         self._replica_metrics: Any = None  # executor.replica_metrics.ReplicaMetrics, with replicas
         # rings of torn-down generations still mapped when their teardown stopped waiting: a
         # worker that has not exited (stopped, or on a partitioned host); swept once unmapped
@@ -111,8 +113,10 @@ class EngineBuilder:
         steps = None if testhooks.token_clock_only() else StepClock()
         with self._building:
             if self.abandoned:
+                self.cut_short.add(number)
                 raise BuildAbandoned(f"generation {number} not built: the daemon is stopping")
             self.sweep_deferred()
+            self._building_number = number
             self._cores_at_build_start = engine_cores_under(os.getpid())
             shm_before = self._shm_before[number] = self._shm_at_build_start = vllm_segments()
             started = time.monotonic()
@@ -129,7 +133,7 @@ class EngineBuilder:
                 ))
                 self._shm_owned[number] = vllm_segments() - shm_before
             finally:
-                self._shm_at_build_start = self._cores_at_build_start = None
+                self._shm_at_build_start = self._cores_at_build_start = self._building_number = None
         build_s = time.monotonic() - started
         log.info("engine up", engine_generation=number, replica=replica, build_s=round(build_s, 2))
         from executor.engine import is_cpu_platform
@@ -138,20 +142,26 @@ class EngineBuilder:
         return Generation(number, instance_id, engine, shm_before, build_s, replica=replica, epoch=epoch, steps=steps,
                           first_steps=cfg.hang_first_steps, first_steps_timeout_s=cfg.first_steps_timeout(is_cpu_platform()))
 
-    def abandon_builds(self, wait_s: float = 30.0) -> list[int]:
-        """The stop waits for no build (systemd's stop timeout is the drain's plus a minute; an
-        engine start that hangs, on a worker that never answers or a Ray cluster gone, would
-        hold it for vLLM's start-up timeout): no build starts from now on, and the engine core
-        of the one under way is killed (again, if it starts only after this call), so vLLM's
-        start-up hand-shake fails at once and the build's own failure path cleans up. Returns
-        the PIDs killed."""
-        from executor.engine import engine_cores_under, kill_pids
+    def abandon_builds(self, wait_s: float = 120.0) -> list[int]:
+        """The stop waits for no engine start (systemd's stop timeout is the drain's plus a
+        minute; an engine start that hangs, on a worker that never answers or a Ray cluster
+        gone, would hold it for vLLM's start-up timeout): no build starts from now on, and the
+        engine core of the one under way is killed with its children (again, if it starts, or
+        takes vLLM's title, only after this call), so vLLM's start-up hand-shake fails at once
+        and the build's own failure path cleans up. Returns the PIDs killed."""
+        from executor.engine import engine_cores_under, kill_pids, with_descendants
 
         self.abandoned = True
         killed: list[int] = []
         deadline = time.monotonic() + wait_s
-        while (before := self._cores_at_build_start) is not None and time.monotonic() < deadline:
-            killed += kill_pids(sorted(engine_cores_under(os.getpid()) - before - set(killed)))
+        # while a build holds the lock: one that took it just before ``abandoned`` was set may
+        # not have listed the engine cores before it yet
+        while self._building.locked() and time.monotonic() < deadline:
+            before, number = self._cores_at_build_start, self._building_number
+            if before is not None and (new := engine_cores_under(os.getpid()) - before - set(killed)):
+                killed += kill_pids(with_descendants(new))
+                if number is not None:
+                    self.cut_short.add(number)
             time.sleep(0.2)
         return killed
 
@@ -167,7 +177,10 @@ class EngineBuilder:
 
         self.ray.kill_actors(self.instance_id(number))
         self._shm_owned.pop(number, None)
-        sweep(self._rings_of(self._shm_before.pop(number, None)))
+        rings = self._rings_of(self._shm_before.pop(number, None))
+        # those still mapped (a killed worker not yet exited) are swept once unmapped: by the
+        # next build or teardown, or the stop's last sweep
+        self._shm_deferred |= rings - set(sweep(rings))
 
     def _rings_of(self, before: set[str] | None) -> set[str]:
         """The rings made since ``before`` that are not another generation's: neither a

@@ -98,8 +98,8 @@ class Recovery:
             await self.hold(gen)
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
-            if builder.abandoned:  # the stop cut it short (``abandon_builds``)
-                log.info("engine build abandoned: the daemon is stopping", generation=number, replica=replica,
+            if number in builder.cut_short:  # the stop cut it short (``abandon_builds``)
+                log.info("engine build abandoned: the daemon is stopping", failed_generation=number, replica=replica,
                          error=error[:200])
             else:
                 log.error("engine build failed", failed_generation=number, replica=replica, error=error[:500])
@@ -165,8 +165,8 @@ class Recovery:
 
     async def abandon_builds(self) -> None:
         """The stop waits for no build under way (``EngineBuilder.abandon_builds``)."""
-        try:
-            killed = await asyncio.to_thread(self.builder.abandon_builds)
+        try:  # a thread of its own: the shared pool's may all be held by the builds it cuts short
+            killed = await aio.in_own_thread(self.builder.abandon_builds, name="abandon-builds")
         except Exception:
             log.exception("could not abandon the build under way")
             return

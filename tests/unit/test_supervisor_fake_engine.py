@@ -293,6 +293,7 @@ class FakeBuilder:
     abandoned = False
 
     def __init__(self, build_failures: int = 0):
+        self.cut_short: set[int] = set()
         self.engines: list[FakeEngine] = []
         self.build_failures = build_failures
         self.torn_down: list[int] = []
