@@ -48,6 +48,8 @@ class Carryover:
         self.prompt_ids: list[int] | None = None
         self.prompt_text: str | None = None
         self.prompt_logprobs: Any = None
+        # the client's prompt's prefix-cache hits and writes, as its first engine counted them
+        self.cache_counts: tuple[int | None, int | None] = (None, None)
         self.ids: list[int] = []
         self.text: list[str] = []
         self.logprobs: list[dict[int, Any]] = []
@@ -95,6 +97,7 @@ class Carryover:
         if self.prompt_ids is None:
             self.prompt_ids, self.prompt_text = list(out.prompt_token_ids or []), getattr(out, "prompt", None)
             self.prompt_logprobs = getattr(out, "prompt_logprobs", None)
+            self.cache_counts = (getattr(out, "num_cached_tokens", None), getattr(out, "num_cache_creation_tokens", None))
         if self._text_seam is not None:
             new = len(c.token_ids)
             c.text, c.token_ids, c.finish_reason, c.stop_reason = self._text_seam.step(
@@ -103,6 +106,12 @@ class Carryover:
                 lps = c.logprobs[:new] if c.logprobs is not None else None
                 c.logprobs, c.cumulative_logprob = self._logprobs_seam.step(lps, c.token_ids, c.cumulative_logprob)
             out.prompt_token_ids, out.prompt, out.prompt_logprobs = self.prompt_ids, self.prompt_text, None
+            # the usage's cache counts (``prompt_tokens_details``, the Responses API's
+            # ``input_tokens_details``) are the client's prompt's, as its first engine counted
+            # them (vLLM's are per request): the continuation's own prompt (that prompt and the
+            # tokens read so far) may hit a cache the first engine's did not (another replica
+            # that ran the same text), or write more
+            out.num_cached_tokens, out.num_cache_creation_tokens = self.cache_counts
             out.finished = c.finish_reason is not None
         if self.delta:
             self.ids += c.token_ids

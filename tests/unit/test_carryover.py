@@ -108,3 +108,24 @@ def test_a_client_cannot_send_resume_ids_of_its_own(tokenizer):
     req = Carryover({"prompt_token_ids": PROMPT}, params, {}, "r", None, lambda: tokenizer)
     sub, _, _ = req.next_request()
     assert sub.extra_args == {"other": 1} and params.extra_args[RESUME_IDS_KEY] == [1, 2, 3]
+
+
+def test_cached_tokens_after_a_seam_are_the_clients_prompts_on_its_first_engine(tokenizer):
+    """The continuation's prompt (the client's and the tokens read so far) can hit a prefix
+    cache the first engine's did not (another replica that ran the same text) and write more:
+    the usage's cache counts stay what the first engine counted for the client's prompt."""
+    ids = tokenizer.encode("one two three four", add_special_tokens=False)
+    positions = [([t], [-0.5], 1) for t in ids]
+    params = SamplingParams(temperature=0, max_tokens=len(ids), ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    req = Carryover({"prompt_token_ids": PROMPT}, copy.deepcopy(params), {}, "r",
+                    lambda p, sp, rid: new_detokenizer(tokenizer, p, sp, rid), lambda: tokenizer)
+    first = engine_outputs(tokenizer, ids, params, positions)[:2]
+    for o in first:
+        o.num_cached_tokens, o.num_cache_creation_tokens = 0, 3
+    read = [req.take(o) for o in first]
+    sub, _, _ = req.next_request()  # the seam
+    later = engine_outputs(tokenizer, ids[2:], sub, positions[2:], detokenize=False)
+    for o in later:  # the other replica had the continuation's prefix cached, and wrote the rest
+        o.num_cached_tokens, o.num_cache_creation_tokens = 16, 128
+    read += [req.take(o) for o in later]
+    assert [(o.num_cached_tokens, o.num_cache_creation_tokens) for o in read] == [(0, 3)] * len(ids)
