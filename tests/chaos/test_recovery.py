@@ -110,6 +110,16 @@ def last_recovery(daemon: Daemon) -> dict:
 # TP=2: several faults in a row on one daemon
 
 
+def faulted_daemon(workdir, ray_head, tp: int, **supervisor):
+    """A class's daemon for several faults in a row: ready, the injector warm, its fault-free
+    reference taken; (daemon, reference) until the class ends, then stopped and checked."""
+    with start_daemon(workdir, ray_head, tp=tp, **supervisor) as d:
+        d.wait_ready()
+        inject.prepare(ray_head.address)  # so a fault lands mid-stream, not after a first vLLM import
+        yield d, reference(d)
+        finish(d, ray_head)
+
+
 def one_fault(tp2, ray_head, fault) -> tuple[dict, dict]:
     """6 streams, ``fault()`` mid-stream: every text exact, a clean next generation.
     Returns what the fault returned and the recovery's record."""
@@ -127,12 +137,7 @@ class TestTP2:
 
     @pytest.fixture(scope="class")
     def tp2(self, tmp_path_factory, ray_head):
-        with start_daemon(tmp_path_factory.mktemp("chaos-tp2"), ray_head, tp=2, max_restarts=20) as d:
-            d.wait_ready()
-            inject.prepare(ray_head.address)  # so a fault lands mid-stream, not after a first vLLM import
-            yield d, reference(d)
-            finish(d, ray_head)
-
+        yield from faulted_daemon(tmp_path_factory.mktemp("chaos-tp2"), ray_head, tp=2, max_restarts=20)
 
     def test_tp2_ray_kill_rank1_mid_stream(self, tp2, ray_head):
         daemon, ref = tp2
@@ -146,7 +151,6 @@ class TestTP2:
         detect_ms = (rec["detected_monotonic"] - info["monotonic"]) * 1000
         assert 0 <= detect_ms < 5000, detect_ms
         print(f"\nTP=2 kill rank 1: detection {detect_ms:.0f} ms, recovery phases {rec['phases_s']}")
-
 
     @pytest.mark.extended
     def test_tp2_second_kill_while_recovering(self, tp2, ray_head):
@@ -190,31 +194,26 @@ class TestTP2:
         print(f"\ndouble fault: generation {before} -> {s['generation']}, restarts {restarts0} -> {s['restarts']}, "
               f"failures of {before + 1}: {[line['event'] for line in failed]}")
 
-
     def test_tp2_sigstop_hang_is_detected_and_recovered(self, tp2, ray_head):
         info, rec = one_fault(tp2, ray_head, lambda: inject.signal_worker(ray_head.address, signal.SIGSTOP, rank=0))
         assert rec["reason"] == "hang" and "no engine step for" in rec["detail"], rec  # the step clock, not tokens
         assert_process_gone(info["pid"])
-
 
     def test_tp2_sigkill_engine_core(self, tp2, ray_head):
         daemon, _ = tp2
         _, rec = one_fault(tp2, ray_head, lambda: inject.kill_engine_core(daemon.proc.pid))
         assert rec["reason"] == "engine_dead", rec  # the executor died with it: no worker report
 
-
     @pytest.mark.extended
     def test_tp2_sigkill_of_a_worker_process(self, tp2, ray_head):
         _, rec = one_fault(tp2, ray_head, lambda: inject.signal_worker(ray_head.address, signal.SIGKILL, rank=0))
         assert rec["reason"] == "worker_death" and "rank(s) [0]" in rec["detail"] and rec["cause"] == "exited", rec
-
 
     @pytest.mark.extended
     def test_tp2_kill_all_workers(self, tp2, ray_head):
         info, rec = one_fault(tp2, ray_head, lambda: inject.kill_all_workers(ray_head.address))
         assert len(info["killed"]) == 2
         assert rec["reason"] == "worker_death" and rec["cause"] == "killed", rec
-
 
     def test_tp2_hang_while_idle_is_found_by_the_canary(self, tp2, ray_head):
         """No request running: the next one-token canary finds the stopped worker. The canary is a
@@ -236,7 +235,6 @@ class TestTP2:
         assert_clean_generation(daemon, ray_head, before)
         assert_process_gone(info["pid"])
 
-
     def test_tp2_stop_leaves_nothing(self, tp2, ray_head):
         stop_leaves_nothing(tp2[0], ray_head)
 
@@ -250,12 +248,7 @@ class TestTP1:
 
     @pytest.fixture(scope="class")
     def tp1(self, tmp_path_factory, ray_head):
-        with start_daemon(tmp_path_factory.mktemp("chaos-tp1"), ray_head, tp=1, admission_queue_size=2) as d:
-            d.wait_ready()
-            inject.prepare(ray_head.address)  # so a fault lands mid-stream, not after a first vLLM import
-            yield d, reference(d)
-            finish(d, ray_head)
-
+        yield from faulted_daemon(tmp_path_factory.mktemp("chaos-tp1"), ray_head, tp=1, admission_queue_size=2)
 
     def test_tp1_kill_with_arrivals_during_recovery(self, tp1, ray_head):
         daemon, ref = tp1
@@ -284,7 +277,6 @@ class TestTP1:
         assert compare(served, ref)["mismatched"] == 0
         assert_clean_generation(daemon, ray_head, before)
         assert daemon.status()["requests"]["continued"] >= 6
-
 
     def test_tp1_stop_leaves_nothing(self, tp1, ray_head):
         """Stopped here, not killed at teardown: a SIGKILLed daemon leaves its rings behind."""
