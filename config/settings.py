@@ -142,6 +142,10 @@ class SupervisorSettings(_Section):
                               "(its prefix cache) unless that one is loaded past a bound; least_streams: the fewest streams")
     standby: Literal["none", "warm"] = Field(
         "warm", description="warm: prepare the next generation's engine-core process and worker actors while this one serves")
+    standby_kv: Literal["reserved", "at_adoption"] = Field(
+        "reserved", description="CPU: reserved: each warm-standby worker holds its KV cache's memory, zeroed, while it "
+                                "waits, so that a recovery does not fault it in (about 0.4 s per GiB here); at_adoption: "
+                                "the adopted worker allocates it, as a new one does")
     control_socket: str = Field("", description="Control socket path; empty = $RUNTIME_DIRECTORY/control.sock, else /tmp/vllm-supervisor-<port>.sock")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["auto", "json", "console"] = "auto"

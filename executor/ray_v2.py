@@ -33,7 +33,7 @@ import ray
 import vllm.v1.executor.ray_executor_v2 as _v2
 from vllm.platforms import current_platform
 
-from executor import canary, history, resume, testhooks
+from executor import canary, history, kv_reserve, resume, testhooks
 from executor.reporting import CAUSE_MAX_CHARS, DeathReporter, Dead
 
 canary.bound_lost_wakeup()  # in the engine core and in every worker: both import this module
@@ -50,6 +50,7 @@ class SupervisedRayWorkerProc(canary.CanaryIdle, _v2.RayWorkerProc):
     (``executor.canary``). A continued request's past counts in its sampler (``executor.history``)."""
 
     _poison_hook: bool | None = None  # the test hooks' query of death (executor.testhooks), read once
+    _kv_reserve: Any = None  # a standby's KV memory, faulted in before adoption (executor.kv_reserve)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         history.install()  # a continued request's past counts in this worker's sampler
@@ -63,6 +64,10 @@ class SupervisedRayWorkerProc(canary.CanaryIdle, _v2.RayWorkerProc):
             if self._poison_hook and testhooks.poisoned(args[0] if args else kwargs.get("scheduler_output")):
                 logger.error("test hook: a poisoned request entered the batch; this worker dies (pid %d)", os.getpid())
                 os.kill(os.getpid(), signal.SIGKILL)
+        elif method == "initialize_from_config" and self._kv_reserve is not None:
+            with kv_reserve.serving(self._kv_reserve):  # the KV cache in the standby's memory
+                super()._execute_worker_rpc(rpc_request)
+            return
         super()._execute_worker_rpc(rpc_request)  # canary.CanaryIdle, then vLLM's
 
     def get_node_and_physical_gpu_ids(self) -> tuple[str, list[int]]:

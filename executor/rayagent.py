@@ -88,12 +88,14 @@ class RayService(RayCluster):
 
     # --- the warm standby's workers (executor.standby) ----------------------------------
 
-    def create_standby(self, vllm_config: Any, pg: Any, instance_id: str, namespace: str, options: dict) -> list[dict]:
+    def create_standby(self, vllm_config: Any, pg: Any, instance_id: str, namespace: str, options: dict,
+                       kv_bytes: int = 0) -> list[dict]:
         """``options``: the actor options, computed by the daemon (``executor.standby.worker_options``:
-        vLLM reads them from the environment of the process it runs in, and this one's is older)."""
+        vLLM reads them from the environment of the process it runs in, and this one's is older);
+        ``kv_bytes``: the KV memory each worker reserves (``executor.kv_reserve``)."""
         from executor.standby import create_standby_workers
 
-        workers = create_standby_workers(vllm_config, pg, instance_id, namespace, options)
+        workers = create_standby_workers(vllm_config, pg, instance_id, namespace, options, kv_bytes)
         for w in workers:
             self.handles[w["actor_id"]] = (w["name"], w.pop("handle"))
         return workers

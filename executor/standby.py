@@ -50,6 +50,7 @@ from typing import Any
 import ray
 from vllm.platforms import current_platform
 
+from executor.kv_reserve import KVReserve
 from executor.ray_v2 import SupervisedRayWorkerProc
 
 # Under vLLM's logger tree: in the engine-core process vLLM's logging config (handler, level,
@@ -85,7 +86,7 @@ def cuda_initialized() -> bool:
 class StandbyRayWorkerProc(SupervisedRayWorkerProc):
     """A worker actor with vLLM imported, no device visible and no engine yet."""
 
-    def __init__(self, preload: list[str], created_with: dict):  # noqa: D107 (deferred)
+    def __init__(self, preload: list[str], created_with: dict, kv_bytes: int = 0):  # noqa: D107 (deferred)
         started = time.monotonic()
         # None: unset; ``adopt`` restores exactly these. NVML's check keeps torch.cuda.is_available()
         # from initialising CUDA (vLLM sets it in its workers too).
@@ -102,6 +103,9 @@ class StandbyRayWorkerProc(SupervisedRayWorkerProc):
         gc.collect()
         gc.freeze()
         self._heap_frozen = gc.get_freeze_count()
+        # The KV cache's memory, faulted in and zeroed now rather than on the recovery's path;
+        # after the freeze: the collector never walks a tensor's memory anyway.
+        self._kv_reserve = KVReserve(kv_bytes) if kv_bytes > 0 else None
         self._cuda = cuda_initialized()
         if self._cuda:
             logger.error("standby worker (pid %d) initialised CUDA while importing %s: it holds a "
@@ -113,7 +117,10 @@ class StandbyRayWorkerProc(SupervisedRayWorkerProc):
         self._preload_s = time.monotonic() - started
 
     def standby_info(self) -> dict[str, Any]:
+        reserve = self._kv_reserve
         return {"pid": os.getpid(), "preload_s": self._preload_s, "adopted": self._adopted, "heap_frozen": self._heap_frozen,
+                "kv_reserved_bytes": reserve.nbytes if reserve is not None and reserve.held else 0,
+                "kv_from_reserve": reserve is not None and reserve.taken,
                 "cuda_initialized": self._cuda or cuda_initialized(), "created_with": self._created_with}
 
     def adopt(self, node_id: str, claimed_ids: list[str] | None, **init_kwargs: Any) -> int:
@@ -192,11 +199,19 @@ def worker_options(vllm_config: Any) -> dict:
     return options
 
 
+def kv_reserve_bytes(vllm_config: Any) -> int:
+    """The KV memory a standby worker reserves (``executor.kv_reserve``): on a CPU host, the
+    explicit KV size each worker allocates (``VLLM_CPU_KVCACHE_SPACE``); elsewhere none."""
+    if not current_platform.is_cpu():
+        return 0
+    return int(getattr(vllm_config.cache_config, "kv_cache_memory_bytes", None) or 0)
+
+
 def create_standby_workers(vllm_config: Any, placement_group: Any, instance_id: str, namespace: str,
-                           options: dict) -> list[dict]:
+                           options: dict, kv_bytes: int = 0) -> list[dict]:
     """Create one standby per rank of the engine ``vllm_config`` describes, on the node of the
     bundle the executor gives that rank in ``placement_group``, with ``options`` (the daemon's
-    ``worker_options``). Returns ``{"rank", "name", "actor_id", "bundle", "node_id"}`` per
+    ``worker_options``), each reserving ``kv_bytes`` of KV memory (``kv_reserve_bytes``). Returns ``{"rank", "name", "actor_id", "bundle", "node_id"}`` per
     rank; does not wait for them to finish importing."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
     from vllm.v1.executor.ray_utils import build_actor_name, get_bundles_sorted_by_node
@@ -212,7 +227,7 @@ def create_standby_workers(vllm_config: Any, placement_group: Any, instance_id: 
         actor = ray.remote(StandbyRayWorkerProc).options(
             name=name, namespace=namespace, num_cpus=0, num_gpus=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False), **options,
-        ).remote(preload, options)
+        ).remote(preload, options, kv_bytes)
         out.append({"rank": rank, "name": name, "actor_id": actor._actor_id.hex(), "bundle": bundle,
                     "node_id": node_id, "handle": actor})
     return out

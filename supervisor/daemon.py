@@ -81,7 +81,8 @@ class Supervisor:
         # The standby prepares one next generation, for whichever replica fails first. Its workers
         # are the V2 executor's: the compiled-graph executor cannot adopt them.
         standby_workers = standby_workers or StandbyWorkers(self.ray, self.builder.instance_id, settings.ray.namespace,
-                                                            lambda: self.builder.uses_ray)
+                                                            lambda: self.builder.uses_ray,
+                                                            reserve_kv=cfg.standby_kv == "reserved")
         self.standby = Standby(standby_workers, self.metrics, enabled=cfg.standby == "warm"
                                and not getattr(self.builder, "compiled_graph", False))
         # where each new request goes between replicas (with one there is no choice to make)

@@ -11,8 +11,10 @@ from supervisor.raylink import RayLink
 
 
 class StandbyWorkers:
-    def __init__(self, ray: RayLink, instance_id: Callable[[int], str], namespace: str, uses_ray: Callable[[], bool]):
+    def __init__(self, ray: RayLink, instance_id: Callable[[int], str], namespace: str, uses_ray: Callable[[], bool],
+                 reserve_kv: bool = True):
         self.ray = ray
+        self.reserve_kv = reserve_kv  # on a CPU host, each worker holds its KV cache's memory (executor.kv_reserve)
         self.instance_id = instance_id  # generation number -> the id its workers are named by
         self.namespace = namespace  # the Ray namespace the standby's workers live in
         self._uses_ray = uses_ray  # the engine's executor now (a reload may change it)
@@ -48,14 +50,15 @@ class StandbyWorkers:
         actor options vLLM's executor will give its own (computed here, in the daemon). Only
         while that group is placed: re-creating a lost one is the recovery's job (two threads
         doing it would leak one)."""
-        from executor.standby import worker_options
+        from executor.standby import kv_reserve_bytes, worker_options
 
         pg = self.ray.placement_group(replica, ready=True)
         if pg is None:
             raise RuntimeError("the placement group is not ready; the next recovery re-creates it")
         # Here, not in the agent: the next engine core starts with this process's environment.
         options = worker_options(vllm_config)
-        return self.ray.call("create_standby", vllm_config, pg, self.instance_id(number), self.namespace, options)
+        kv_bytes = kv_reserve_bytes(vllm_config) if self.reserve_kv else 0
+        return self.ray.call("create_standby", vllm_config, pg, self.instance_id(number), self.namespace, options, kv_bytes)
 
     def states(self, workers: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return self.ray.call("standby_states", [w["actor_id"] for w in workers])

@@ -37,6 +37,17 @@ def adoptions_total(daemon, result: str) -> float:
     return values[0]
 
 
+GiB = 2**30
+
+
+def rss_bytes(pid: int) -> int:
+    """A process's resident memory, from ``/proc``."""
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
 def exact(records, ref) -> None:
     summary = compare(records, ref)
     assert summary["failed"] == 0, [(r.status, r.error) for r in records if r.outcome != "ok"]
@@ -60,6 +71,10 @@ def test_kill_is_recovered_in_the_standby_process(tp1, ray_head):
         p: expected for p in serving_pids + standby_pids}
     adopted_before = adoptions_total(daemon, "adopted")
     cold_before = adoptions_total(daemon, "cold")
+    # the standby holds its KV cache's memory already, faulted in (executor.kv_reserve; the
+    # daemon's default KV size on CPU is 1 GiB)
+    reserved_rss = rss_bytes(standby_pids[0])
+    assert reserved_rss > GiB, f"standby worker's RSS {reserved_rss / GiB:.2f} GiB: its KV memory is not reserved"
 
     records, info = asyncio.run(run_with_fault(daemon.base_url, 4, MAX_TOKENS, lambda: inject.kill_worker(ray_head.address, rank=0)))
     after = daemon.wait_generation(gen + 1)
@@ -74,6 +89,9 @@ def test_kill_is_recovered_in_the_standby_process(tp1, ray_head):
     assert rec["standby"] == {"result": "adopted", "adopted_ranks": [0]}, rec
     # the new generation's worker is the standby's process, started before the fault
     assert [w["pid"] for w in daemon.full_status()["workers"]] == standby_pids
+    # and its KV cache is that reserve, not a second GiB faulted in on the recovery's path
+    grown = rss_bytes(standby_pids[0]) - reserved_rss
+    assert grown < GiB / 2, f"the adopted worker grew by {grown / GiB:.2f} GiB: its KV cache was allocated again"
     assert after["standby"]["adoptions"]["adopted"] >= 1
     # and a new standby is prepared for the generation after it
     s2 = daemon.wait_standby(for_generation=gen + 2)

@@ -239,13 +239,13 @@ def test_agent_creates_standbys_with_the_daemons_options(vllm_config, monkeypatc
     monkeypatch.delenv("VLLM_USE_BREAKABLE_CUDAGRAPH", raising=False)
     options = {"runtime_env": {"env_vars": {"TORCH_COMPILE_DISABLE": "1", "VLLM_USE_BREAKABLE_CUDAGRAPH": "1"}},
                "enable_tensor_transport": True}
-    workers = standby.create_standby_workers(vllm_config, object(), "inst-g2", "ns", options)
+    workers = standby.create_standby_workers(vllm_config, object(), "inst-g2", "ns", options, 3 * 2**30)
     assert [w["rank"] for w in workers] == list(range(TP))
     for (actor_options, args), w in zip(created, workers):
         assert {k: actor_options[k] for k in options} == options
         assert actor_options["name"] == w["name"] and actor_options["namespace"] == "ns"
         assert actor_options["num_cpus"] == 0 and actor_options["num_gpus"] == 0
-        assert args == (standby.preload_modules(vllm_config), options)
+        assert args == (standby.preload_modules(vllm_config), options, 3 * 2**30)
 
 
 def test_option_mismatch_names_the_differing_settings():
@@ -367,3 +367,16 @@ def test_workers_start_at_the_operators_niceness_else_at_the_servers(monkeypatch
     assert worker_niceness() == "15"
     monkeypatch.setenv("RAY_worker_niceness", " ")
     assert worker_niceness() == "0"
+
+
+
+def test_each_standby_worker_reserves_the_kv_size_its_engine_allocates():
+    """On CPU, the explicit KV size (``VLLM_CPU_KVCACHE_SPACE``, which the daemon always sets)
+    that each worker's KV cache takes; none when vLLM sizes it from free memory itself."""
+    from executor import standby
+
+    def config(nbytes):
+        return SimpleNamespace(cache_config=SimpleNamespace(kv_cache_memory_bytes=nbytes))
+
+    assert standby.kv_reserve_bytes(config(3 * 2**30)) == 3 * 2**30
+    assert standby.kv_reserve_bytes(config(None)) == 0

@@ -1,0 +1,101 @@
+"""The KV cache's memory, faulted in by a standby worker before it is adopted (CPU only).
+
+On a CPU host the adopted worker's largest step after its model is the KV cache's allocation:
+vLLM's ``allocate_kv_cache`` makes it with ``torch.zeros`` (one int8 buffer of the explicit KV
+size, ``VLLM_CPU_KVCACHE_SPACE``), and the kernel faults in and zeroes each 4 KiB page as it is
+first written: about 0.4 s per GiB on the 2-core machine this project is measured on, per worker,
+on the recovery's critical path (``docs/benchmarks.md``, "Recovery").
+
+A standby worker that reserves the memory makes that allocation while it waits (``KVReserve``):
+zeroed, never written. When vLLM's ``initialize_from_config`` runs in the adopted worker,
+``serving`` hands that buffer to vLLM's one ``torch.zeros`` of the KV cache's size (torch's own
+``TorchFunctionMode``, scoped to that call: nothing of vLLM is patched); any other allocation,
+or a KV cache larger than the reserve, is torch's as before, and the reserve is released before
+it. What vLLM does not take is released when the call ends, so the worker never holds the memory
+twice. The price: the reserve's memory, held by each standby worker while it waits
+(``supervisor.standby_kv``). A GPU's KV cache is device memory, which a standby holds none of.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+logger = logging.getLogger("vllm.supervisor.executor")
+
+
+class KVReserve:
+    """``nbytes`` of zeroed, faulted-in CPU memory, for one KV cache buffer of at most that size."""
+
+    def __init__(self, nbytes: int):
+        started = time.monotonic()
+        self.nbytes = nbytes
+        self._buf: torch.Tensor | None = torch.zeros(nbytes, dtype=torch.int8)
+        self.reserve_s = time.monotonic() - started
+        self.taken = False
+
+    @property
+    def held(self) -> bool:
+        return self._buf is not None
+
+    def take(self, nbytes: int) -> torch.Tensor | None:
+        """The first ``nbytes`` of the reserve, zeroed, once; None when it is smaller (then it is
+        released, before the caller allocates its own)."""
+        buf, self._buf = self._buf, None
+        if buf is None or nbytes > buf.numel():
+            return None
+        self.taken = True
+        return buf[:nbytes]
+
+    def release(self) -> None:
+        self._buf = None
+
+
+class _ZerosFromReserve(TorchFunctionMode):
+    """Inside it, the first ``torch.zeros(n, dtype=int8)`` on the CPU with ``n`` at least half the
+    reserve (the KV cache's backing buffer; vLLM's other tensors are small) gets the reserve."""
+
+    def __init__(self, reserve: KVReserve):
+        super().__init__()
+        self.reserve = reserve
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.zeros and self.reserve.held and _is_kv_buffer(args, kwargs, self.reserve.nbytes):
+            buf = self.reserve.take(int(args[0]))
+            if buf is not None:
+                return buf
+        return func(*args, **kwargs)
+
+
+def _is_kv_buffer(args: tuple, kwargs: dict, reserved: int) -> bool:
+    if len(args) != 1 or not isinstance(args[0], int) or kwargs.get("dtype") is not torch.int8:
+        return False
+    device = kwargs.get("device")
+    if device is not None and torch.device(device).type != "cpu":
+        return False
+    return args[0] * 2 >= reserved
+
+
+@contextmanager
+def serving(reserve: KVReserve | None) -> Iterator[None]:
+    """Run vLLM's KV cache allocation with ``reserve``'s memory; release what it did not take."""
+    if reserve is None or not reserve.held:
+        yield
+        return
+    try:
+        with _ZerosFromReserve(reserve):
+            yield
+    finally:
+        if reserve.taken:
+            logger.info("KV cache allocated from the standby's reserve (%.2f GiB, faulted in %.2f s before adoption)",
+                        reserve.nbytes / 2**30, reserve.reserve_s)
+        else:
+            logger.warning("the standby's KV reserve (%.2f GiB) was not used by the KV cache allocation; released",
+                           reserve.nbytes / 2**30)
+        reserve.release()
