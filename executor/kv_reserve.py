@@ -19,6 +19,7 @@ twice. The price: the reserve's memory, held by each standby worker while it wai
 from __future__ import annotations
 
 import logging
+import os
 import time
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -27,6 +28,49 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 logger = logging.getLogger("vllm.supervisor.executor")
+
+
+def numa_nodes() -> int:
+    """The host's NUMA nodes (1 where the kernel says nothing)."""
+    try:
+        return max(1, sum(1 for n in os.listdir("/sys/devices/system/node") if n.startswith("node") and n[4:].isdigit()))
+    except OSError:
+        return 1
+
+
+def available_bytes() -> int | None:
+    """The kernel's estimate of memory available without swapping (``MemAvailable``)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def reserve(nbytes: int) -> "KVReserve | None":
+    """A standby's reserve of ``nbytes``, or None (logged) where it would cost more than it saves:
+    on a host of several NUMA nodes (vLLM binds the worker's memory to its node only once adopted:
+    a reserve made before may sit on another node for the generation's life), where it would leave
+    less than one more KV size available (the host's other builds need theirs), or where the
+    allocation fails. Never raises: a standby without a reserve is still a standby."""
+    if nbytes <= 0:
+        return None
+    if (nodes := numa_nodes()) > 1:
+        logger.info("standby worker: no KV reserve on a host of %d NUMA nodes (its node is chosen at adoption)", nodes)
+        return None
+    available = available_bytes()
+    if available is not None and available < 2 * nbytes:
+        logger.warning("standby worker: no KV reserve: %.2f GiB available, less than twice the KV size (%.2f GiB)",
+                       available / 2**30, nbytes / 2**30)
+        return None
+    try:
+        return KVReserve(nbytes)
+    except RuntimeError as exc:  # torch's allocator: out of memory
+        logger.warning("standby worker: no KV reserve: %s", exc)
+        return None
 
 
 class KVReserve:

@@ -50,7 +50,7 @@ from typing import Any
 import ray
 from vllm.platforms import current_platform
 
-from executor.kv_reserve import KVReserve
+from executor import kv_reserve
 from executor.ray_v2 import SupervisedRayWorkerProc
 
 # Under vLLM's logger tree: in the engine-core process vLLM's logging config (handler, level,
@@ -105,7 +105,7 @@ class StandbyRayWorkerProc(SupervisedRayWorkerProc):
         self._heap_frozen = gc.get_freeze_count()
         # The KV cache's memory, faulted in and zeroed now rather than on the recovery's path;
         # after the freeze: the collector never walks a tensor's memory anyway.
-        self._kv_reserve = KVReserve(kv_bytes) if kv_bytes > 0 else None
+        self._kv_reserve = kv_reserve.reserve(kv_bytes)
         self._cuda = cuda_initialized()
         if self._cuda:
             logger.error("standby worker (pid %d) initialised CUDA while importing %s: it holds a "
@@ -211,8 +211,9 @@ def create_standby_workers(vllm_config: Any, placement_group: Any, instance_id: 
                            options: dict, kv_bytes: int = 0) -> list[dict]:
     """Create one standby per rank of the engine ``vllm_config`` describes, on the node of the
     bundle the executor gives that rank in ``placement_group``, with ``options`` (the daemon's
-    ``worker_options``), each reserving ``kv_bytes`` of KV memory (``kv_reserve_bytes``). Returns ``{"rank", "name", "actor_id", "bundle", "node_id"}`` per
-    rank; does not wait for them to finish importing."""
+    ``worker_options``), each reserving ``kv_bytes`` of KV memory (``kv_reserve_bytes``).
+    Returns ``{"rank", "name", "actor_id", "bundle", "node_id"}`` per rank; does not wait for
+    them to finish importing."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
     from vllm.v1.executor.ray_utils import build_actor_name, get_bundles_sorted_by_node
 

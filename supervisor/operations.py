@@ -51,6 +51,8 @@ def plan_reload(reload_settings: Callable[[], tuple[Settings, Any]], old: Settin
         log.warning("replicas take effect at the next daemon start", replicas=old.supervisor.replicas)
     if new.supervisor.standby != old.supervisor.standby:
         log.warning("standby takes effect at the next daemon start", standby=old.supervisor.standby)
+    if new.supervisor.standby_kv != old.supervisor.standby_kv:
+        log.warning("standby_kv takes effect at the next daemon start", standby_kv=old.supervisor.standby_kv)
     changed = engine_args_changed(old_args, new_args)
     if new.engine.kv_cache_space_gib != old.engine.kv_cache_space_gib:
         changed.append("kv_cache_space_gib")

@@ -6,7 +6,10 @@ without touching the serving engine; stop leaves nothing. (TP=2 adoption is asse
 from __future__ import annotations
 
 import asyncio
+import glob
 import os
+import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -46,6 +49,19 @@ def rss_bytes(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+def worker_log(pid: int, waiting_for: str, timeout_s: float = 15.0) -> str:
+    """A Ray worker's stdout log (``<temp dir>/session_*/logs/worker-*-<pid>.out``: the tests'
+    heads use Ray's default temp dir), once it holds ``waiting_for``, else as it is."""
+    text, deadline = "", time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        files = sorted(glob.glob(f"/tmp/ray/session_*/logs/worker-*-{pid}.out"), key=os.path.getmtime)
+        text = Path(files[-1]).read_text(errors="replace") if files else ""
+        if waiting_for in text:
+            break
+        time.sleep(0.5)
+    return text
 
 
 def exact(records, ref) -> None:
@@ -89,7 +105,9 @@ def test_kill_is_recovered_in_the_standby_process(tp1, ray_head):
     assert rec["standby"] == {"result": "adopted", "adopted_ranks": [0]}, rec
     # the new generation's worker is the standby's process, started before the fault
     assert [w["pid"] for w in daemon.full_status()["workers"]] == standby_pids
-    # and its KV cache is that reserve, not a second GiB faulted in on the recovery's path
+    # and its KV cache is that reserve, not a second GiB faulted in on the recovery's path: the
+    # worker says so in its Ray log, where an operator reads it, and did not grow by another GiB
+    assert "KV cache allocated from the standby's reserve" in worker_log(standby_pids[0], "standby's reserve")
     grown = rss_bytes(standby_pids[0]) - reserved_rss
     assert grown < GiB / 2, f"the adopted worker grew by {grown / GiB:.2f} GiB: its KV cache was allocated again"
     assert after["standby"]["adoptions"]["adopted"] >= 1

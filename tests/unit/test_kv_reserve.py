@@ -5,6 +5,7 @@ import logging
 
 import torch
 
+from executor import kv_reserve
 from executor.kv_reserve import KVReserve, serving
 
 MiB = 2**20
@@ -52,3 +53,38 @@ def test_a_reserve_nothing_took_is_released_with_a_warning(caplog):
 def test_no_reserve_changes_nothing():
     with serving(None):
         assert torch.zeros(4, dtype=torch.int8).tolist() == [0, 0, 0, 0]
+
+
+def test_the_adopted_workers_initialize_from_config_runs_with_the_reserve():
+    """``SupervisedRayWorkerProc._execute_worker_rpc``: vLLM's ``initialize_from_config`` RPC, and
+    only it, allocates from the reserve; the reserve is gone after it."""
+    from types import SimpleNamespace
+
+    from executor.ray_v2 import SupervisedRayWorkerProc
+
+    got = []
+    worker = object.__new__(SupervisedRayWorkerProc)
+    worker.rank = 0
+    worker.handle_output = got.append
+    worker.worker = SimpleNamespace(initialize_from_config=lambda n: torch.zeros(n, dtype=torch.int8, device=torch.device("cpu")),
+                                    other=lambda n: torch.zeros(n, dtype=torch.int8, device=torch.device("cpu")))
+    worker._kv_reserve = KVReserve(1 * MiB)
+    start = worker._kv_reserve._buf.data_ptr()
+    worker._execute_worker_rpc(("other", (MiB,), {}, None))
+    assert got[-1].data_ptr() != start and worker._kv_reserve.held  # not the KV cache's RPC
+    worker._execute_worker_rpc(("initialize_from_config", (MiB - 4096,), {}, None))
+    assert got[-1].data_ptr() == start and not worker._kv_reserve.held
+
+
+def test_no_reserve_where_it_would_cost_more_than_it_saves(monkeypatch, caplog):
+    monkeypatch.setattr(kv_reserve, "available_bytes", lambda: 100 * MiB)
+    monkeypatch.setattr(kv_reserve, "numa_nodes", lambda: 2)
+    assert kv_reserve.reserve(MiB) is None  # its node is chosen only at adoption
+    monkeypatch.setattr(kv_reserve, "numa_nodes", lambda: 1)
+    assert kv_reserve.reserve(MiB).held
+    assert kv_reserve.reserve(0) is None
+    with caplog.at_level(logging.WARNING, logger="vllm.supervisor.executor"):
+        assert kv_reserve.reserve(60 * MiB) is None  # less than one more KV size would be left
+        monkeypatch.setattr(kv_reserve, "KVReserve", lambda n: (_ for _ in ()).throw(RuntimeError("can't allocate memory")))
+        assert kv_reserve.reserve(MiB) is None  # the allocation failed: a standby without one
+    assert "less than twice" in caplog.text and "can't allocate memory" in caplog.text

@@ -369,14 +369,18 @@ def test_workers_start_at_the_operators_niceness_else_at_the_servers(monkeypatch
     assert worker_niceness() == "0"
 
 
-
-def test_each_standby_worker_reserves_the_kv_size_its_engine_allocates():
+def test_each_standby_worker_reserves_the_kv_size_its_engine_allocates(monkeypatch):
     """On CPU, the explicit KV size (``VLLM_CPU_KVCACHE_SPACE``, which the daemon always sets)
-    that each worker's KV cache takes; none when vLLM sizes it from free memory itself."""
+    that each worker's KV cache takes; none when vLLM sizes it from free memory itself, and
+    none on a GPU (its KV cache is device memory)."""
     from executor import standby
+
+    monkeypatch.setattr(standby.current_platform, "is_cpu", lambda: True)
 
     def config(nbytes):
         return SimpleNamespace(cache_config=SimpleNamespace(kv_cache_memory_bytes=nbytes))
 
     assert standby.kv_reserve_bytes(config(3 * 2**30)) == 3 * 2**30
     assert standby.kv_reserve_bytes(config(None)) == 0
+    monkeypatch.setattr(standby.current_platform, "is_cpu", lambda: False)
+    assert standby.kv_reserve_bytes(config(3 * 2**30)) == 0
