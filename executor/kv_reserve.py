@@ -31,23 +31,20 @@ logger = logging.getLogger("vllm.supervisor.executor")
 
 
 def numa_nodes() -> int:
-    """The host's NUMA nodes (1 where the kernel says nothing)."""
-    try:
-        return max(1, sum(1 for n in os.listdir("/sys/devices/system/node") if n.startswith("node") and n[4:].isdigit()))
-    except OSError:
-        return 1
+    """The NUMA nodes this process may allocate memory from (vLLM's own reading of
+    ``Mems_allowed_list``); a reserve made on one of several may not be the worker's node."""
+    from vllm.utils.cpu_resource_utils import get_memory_affinity
+
+    return max(1, len(get_memory_affinity()))
 
 
-def available_bytes() -> int | None:
-    """The kernel's estimate of memory available without swapping (``MemAvailable``)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+def available_bytes() -> int:
+    """Memory available to this process, as vLLM's CPU worker measures it before it allocates
+    the KV cache (its node's free and reclaimable memory, within a cgroup's limit)."""
+    from vllm.utils.cpu_resource_utils import get_memory_affinity, get_memory_node_info
+
+    nodes = get_memory_affinity()
+    return get_memory_node_info(nodes[0] if nodes else 0).available_memory
 
 
 def reserve(nbytes: int) -> "KVReserve | None":
@@ -62,7 +59,7 @@ def reserve(nbytes: int) -> "KVReserve | None":
         logger.info("standby worker: no KV reserve on a host of %d NUMA nodes (its node is chosen at adoption)", nodes)
         return None
     available = available_bytes()
-    if available is not None and available < 2 * nbytes:
+    if available < 2 * nbytes:
         logger.warning("standby worker: no KV reserve: %.2f GiB available, less than twice the KV size (%.2f GiB)",
                        available / 2**30, nbytes / 2**30)
         return None

@@ -117,10 +117,7 @@ class StandbyRayWorkerProc(SupervisedRayWorkerProc):
         self._preload_s = time.monotonic() - started
 
     def standby_info(self) -> dict[str, Any]:
-        reserve = self._kv_reserve
         return {"pid": os.getpid(), "preload_s": self._preload_s, "adopted": self._adopted, "heap_frozen": self._heap_frozen,
-                "kv_reserved_bytes": reserve.nbytes if reserve is not None and reserve.held else 0,
-                "kv_from_reserve": reserve is not None and reserve.taken,
                 "cuda_initialized": self._cuda or cuda_initialized(), "created_with": self._created_with}
 
     def adopt(self, node_id: str, claimed_ids: list[str] | None, **init_kwargs: Any) -> int:
