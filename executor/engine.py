@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import signal
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from executor import forkserver
 from executor.events import ADDITIONAL_CONFIG_KEY
@@ -25,6 +25,10 @@ class EngineSpec:
     placement_group: Any
     kv_cache_space_gib: int = 1  # CPU only (VLLM_CPU_KVCACHE_SPACE)
     standby_namespace: str | None = None  # adopt standby workers from this Ray namespace
+    # Without standby workers (Ray V2 executor only): starts this build's own workers as standbys
+    # once its config is made, so that their import runs beside the engine core's; returns the
+    # namespace to adopt them from (None: vLLM creates them, after the engine core's import).
+    start_workers: Callable[[Any], str | None] | None = None
     use_forkserver: bool = False  # fork the engine core from the preloaded fork server
     step_clock: Any = None  # executor.steps.StepClock: stamped at every engine step
     metrics_logger: Any = None  # with replicas: executor.replica_metrics' stand-in for vLLM's Prometheus logger
@@ -70,12 +74,15 @@ def build_engine(spec: EngineSpec):
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    adopts = False  # the Ray V2 executor alone adopts standby workers
     if spec.args.distributed_executor_backend == "mp":
         from executor.mp import SupervisedMultiprocExecutor as executor_class
     elif uses_compiled_graph():
         from executor.ray_cgraph import SupervisedCompiledGraphExecutor as executor_class
     else:
         from executor.ray_v2 import SupervisedRayExecutor as executor_class
+
+        adopts = True
 
     set_engine_environment(spec.kv_cache_space_gib)
     engine_args = AsyncEngineArgs.from_cli_args(spec.args)
@@ -84,10 +91,13 @@ def build_engine(spec: EngineSpec):
     if spec.placement_group is not None:
         vllm_config.parallel_config.placement_group = spec.placement_group
     vllm_config.instance_id = spec.instance_id
+    namespace = spec.standby_namespace
+    if namespace is None and adopts and spec.start_workers is not None:
+        namespace = spec.start_workers(vllm_config)
     vllm_config.additional_config[ADDITIONAL_CONFIG_KEY] = {
         "generation": spec.generation,
         "event_endpoint": spec.event_endpoint,
-        "standby_namespace": spec.standby_namespace,
+        "standby_namespace": namespace,
     }
     # numactl binding replaces the spawn executable: only vLLM's own start method does that.
     use_forkserver = spec.use_forkserver and not vllm_config.parallel_config.numa_bind

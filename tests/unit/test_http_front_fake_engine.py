@@ -109,7 +109,7 @@ class HttpBuilder(FakeBuilder):
         self.vllm_config = vllm_config
         self.renderer, self.input_processor = frontend_for(vllm_config)
 
-    def build(self, number, standby=None, replica=0):
+    def build(self, number, standby=None, replica=0, start_workers=None):
         if number > 1:
             time.sleep(self.build_s)
         engine = FakeEngine(self.vllm_config, self.renderer.get_tokenizer())

@@ -25,10 +25,10 @@ class SlowRebuilds(FakeBuilder):
 
     rebuild_s = 1.5
 
-    def build(self, number, standby=None, replica=0):
+    def build(self, number, standby=None, replica=0, start_workers=None):
         if number > 2:
             time.sleep(self.rebuild_s)
-        gen = super().build(number, standby, replica)
+        gen = super().build(number, standby, replica, start_workers)
         gen.replica = replica
         return gen
 
@@ -41,10 +41,10 @@ class HeldRebuilds(SlowRebuilds):
         self.gate = threading.Event()
         self.rebuilds_done: list[int] = []
 
-    def build(self, number, standby=None, replica=0):
+    def build(self, number, standby=None, replica=0, start_workers=None):
         if number > 2:
             assert self.gate.wait(30), "the test never released the rebuild"
-        gen = FakeBuilder.build(self, number, standby, replica)
+        gen = FakeBuilder.build(self, number, standby, replica, start_workers)
         gen.replica = replica
         if number > 2:
             self.rebuilds_done.append(number)
@@ -255,12 +255,12 @@ class FailingReplica(SlowRebuilds):
         super().__init__()
         self.failing: set[int] = set()
 
-    def build(self, number, standby=None, replica=0):
+    def build(self, number, standby=None, replica=0, start_workers=None):
         if replica in self.failing:
             time.sleep(0.02)
             self.claims.append((number, standby))
             raise RuntimeError(f"PlacementGroupTimeout: replica {replica} not placed (fake)")
-        return super().build(number, standby, replica)
+        return super().build(number, standby, replica, start_workers)
 
 
 def budget_spent(sup, index) -> float:

@@ -93,8 +93,10 @@ def test_a_failed_build_falls_back_to_a_cold_one(tmp_path):
         sup.post(EngineFailed(1, "worker_death", "rank 0 killed"))
         await wait_for(lambda: sup.state is State.READY and sup.generation_number == 3)
         assert [c[0] for c in b.claims] == [1, 2, 3]
-        assert b.claims[2][1] == {"namespace": None, "forkserver": True}  # no standby for 3: cold workers
-        assert b.serving[3] == "cold-3" and sup.standby.adoptions == {"adopted": 0, "cold": 1}
+        assert b.claims[2][1] == {"namespace": None, "forkserver": True}  # no standby for 3: cold workers,
+        # started by the build itself beside its engine core (StandbyWorkers.starter), as the first build's were
+        assert [w["name"] for w in b.started_early] == ["w-g1", "w-g3"]
+        assert b.serving[3] == b.started_early[-1]["actor_id"] and sup.standby.adoptions == {"adopted": 0, "cold": 1}
         await wait_for(lambda: sup.standby.state is StandbyState.READY and sup.standby.generation == 4)
         owner.cancel()
 

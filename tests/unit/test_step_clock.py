@@ -139,8 +139,8 @@ class PrefillBuilder(FakeBuilder):
         super().__init__()
         self.prefill_s = prefill_s
 
-    def build(self, number, standby=None, replica=0):
-        gen = super().build(number, standby, replica)
+    def build(self, number, standby=None, replica=0, start_workers=None):
+        gen = super().build(number, standby, replica, start_workers)
         clock = StepClock()
         gen.engine = PrefillEngine(clock, self.prefill_s if number == 1 else 0.0)
         self.engines[-1] = gen.engine

@@ -20,6 +20,7 @@ from config.exitcodes import EXIT_FAILED
 from supervisor.daemon import EngineUnavailable, Generation, RequestFailed, Supervisor
 from supervisor.dispatch import ready
 from supervisor.events import EngineFailed, ReloadRequested, SignalReceived
+from supervisor.standby_workers import StandbyWorkers
 from supervisor.states import State
 
 
@@ -281,6 +282,8 @@ class FakeStandbyWorkers:
         for w in workers:
             self.b.actor_states[w["actor_id"]] = "DEAD"
 
+    starter = StandbyWorkers.starter  # the real one, on these fake actors
+
 
 class FakeBuilder:
     """``supervisor.builder.EngineBuilder`` without Ray or vLLM: fake engines, instant teardown;
@@ -301,6 +304,7 @@ class FakeBuilder:
         self.claims: list = []
         self.forkserver_up = False
         self.standby_made: list[dict] = []
+        self.started_early: list[dict] = []  # workers builds started for themselves (StandbyWorkers.starter)
         self.actor_states: dict[str, str] = {}
         self.serving: dict[int, str] = {}  # generation -> actor id of its worker
         self.ray = FakeRayLink(self.serving)
@@ -309,17 +313,24 @@ class FakeBuilder:
     def prepare_model(self):
         pass
 
-    def build(self, number, standby=None, replica=0):
+    def build(self, number, standby=None, replica=0, start_workers=None):
         time.sleep(0.05)
         self.claims.append((number, standby))
+        namespace = (standby or {}).get("namespace")
+        if namespace is None and start_workers is not None:  # what executor.engine.build_engine does
+            made = len(self.standby_made)
+            namespace = start_workers(SimpleNamespace())
+            self.started_early += self.standby_made[made:]  # kept apart from the warm standby's
+            del self.standby_made[made:]
         if self.build_failures > 0:
             self.build_failures -= 1
             raise RuntimeError("engine core initialization failed (fake)")
         engine = FakeEngine()
         self.engines.append(engine)
         # what the executor does: adopt the live standby named for this generation, else cold
-        live = [w for w in self.standby_made if w["name"] == f"w-g{number}" and self.actor_states[w["actor_id"]] == "ALIVE"]
-        self.serving[number] = live[0]["actor_id"] if standby and standby["namespace"] and live else f"cold-{number}"
+        live = [w for w in self.standby_made + self.started_early
+                if w["name"] == f"w-g{number}" and self.actor_states[w["actor_id"]] == "ALIVE"]
+        self.serving[number] = live[-1]["actor_id"] if namespace and live else f"cold-{number}"
         return Generation(number, f"fake-g{number}", engine, set(), 0.05, replica=replica, epoch=self.config_epoch)
 
     def front(self, engine):
