@@ -102,6 +102,12 @@ class WorkerStarter:
         except Exception as exc:
             log.warning("could not start the build's workers beside its engine core; vLLM creates them",
                         engine_generation=self.number, error=f"{type(exc).__name__}: {exc}"[:300], exc_info=True)
+            # Some ranks may have been made (or all, and the answer lost): nothing else of this
+            # generation exists yet, so whatever carries its name goes before vLLM makes its own.
+            try:
+                self.workers.ray.kill_actors(self.workers.instance_id(self.number))
+            except Exception as kill_exc:  # the agent gone: its actors went with it
+                log.warning("could not kill a half-made start's workers", error=str(kill_exc)[:300])
             return None
         log.info("the build's workers start beside its engine core", engine_generation=self.number,
                  replica=self.replica, workers=[w["name"] for w in made], took_s=round(time.monotonic() - started, 2))

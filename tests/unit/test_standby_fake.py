@@ -145,3 +145,22 @@ def test_the_standby_waits_for_the_resumed_streams_before_it_starts(tmp_path, mo
         await owner
 
     run(scenario())
+
+
+def test_a_failed_start_of_the_builds_own_workers_leaves_none_and_the_build_goes_on(tmp_path):
+    """``WorkerStarter``: the creation raised (some ranks may have been made): whatever carries
+    the generation's name is killed, and vLLM creates the workers."""
+    async def scenario():
+        sup = FakeSupervisor(settings(tmp_path))
+
+        def fails(number, vllm_config, replica=0):
+            raise RuntimeError("the agent's call broke after rank 0 was made")
+
+        sup.builder.standby_workers.create = fails
+        owner = asyncio.create_task(sup.run())
+        await wait_for(lambda: sup.state is State.READY)
+        assert sup.builder.serving[1] == "cold-1" and sup.builder.started_early == []
+        assert sup.builder.ray.killed_instances[:1] == ["fake-g1"]
+        owner.cancel()
+
+    run(scenario())

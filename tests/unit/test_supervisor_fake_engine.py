@@ -202,6 +202,7 @@ class FakeRayLink:
     predecessor_id = ""
 
     def __init__(self, serving: dict[int, str]):
+        self.killed_instances: list[str] = []  # kill_actors' instance ids
         self.cluster = None
         self.connects = 0
         self.serving = serving  # the builder's: generation -> actor id of its worker
@@ -231,6 +232,7 @@ class FakeRayLink:
         pass
 
     def kill_actors(self, instance_id):
+        self.killed_instances.append(instance_id)
         return []
 
     def workers(self, instance_id):
@@ -283,6 +285,8 @@ class FakeStandbyWorkers:
             self.b.actor_states[w["actor_id"]] = "DEAD"
 
     starter = StandbyWorkers.starter  # the real one, on these fake actors
+    ray = property(lambda self: self.b.ray)
+    instance_id = staticmethod(lambda number: f"fake-g{number}")
 
 
 class FakeBuilder:
