@@ -103,8 +103,8 @@ class EngineBuilder:
               start_workers: Any = None) -> Generation:
         """Build generation ``number`` of ``replica``; ``standby`` (``Standby.claim``'s answer)
         says what it may adopt: the fork server for its engine core, standby workers from a
-        namespace. Without standby workers, ``start_workers`` (``StandbyWorkers.starter``)
-        starts the build's own beside its engine core."""
+        namespace. Without standby workers, ``start_workers`` (``Standby.starter``) starts the
+        build's own beside its engine core (``executor.engine.build_engine`` decides)."""
         from executor.engine import EngineSpec, build_engine, engine_cores_under
         from executor.shm import vllm_segments
         from executor.steps import StepClock
@@ -131,7 +131,7 @@ class EngineBuilder:
                     event_endpoint=self.event_endpoint, placement_group=self.ray.placement_group(replica),
                     kv_cache_space_gib=self.settings.engine.kv_cache_space_gib,
                     standby_namespace=standby.get("namespace"), use_forkserver=bool(standby.get("forkserver")),
-                    start_workers=None if standby.get("namespace") else start_workers,
+                    start_workers=start_workers,
                     step_clock=steps, metrics_logger=self._metrics_logger(replica),
                 ))
                 self._shm_owned[number] = vllm_segments() - shm_before

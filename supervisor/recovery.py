@@ -88,9 +88,7 @@ class Recovery:
                 await standby.discard("engine arguments changed")
             claim = await standby.claim(number)
             t = time.monotonic()
-            # with a warm standby, a build that has none to adopt starts its own workers beside its engine core
-            starter = standby.host.starter(number, replica) if standby.enabled else None
-            gen = await asyncio.to_thread(builder.build, number, claim, replica, starter)
+            gen = await asyncio.to_thread(builder.build, number, claim, replica, standby.starter(number, replica))
             phases["engine_start"] = time.monotonic() - t
             if standby.enabled:
                 gen.standby = standby.adopted(number, await self._workers_of(gen), count=count_adoption)

@@ -156,6 +156,12 @@ class Standby:
             return {"namespace": None, "forkserver": forkserver}
         return {"namespace": self.host.namespace if self.workers else None, "forkserver": forkserver}
 
+    def starter(self, generation: int, replica: int) -> Any:
+        """What the build of ``generation`` starts its own workers with when it has none of the
+        standby's to adopt (``StandbyWorkers.starter``): with a warm standby only (the Ray agent
+        holds vLLM's import for it anyway); None with ``standby = "none"``."""
+        return self.host.starter(generation, replica) if self.enabled else None
+
     def adopted(self, generation: int, serving_workers: list[dict[str, Any]], count: bool = True) -> dict[str, Any]:
         """After a successful build: which ranks run in a standby's process. ``count``: false
         for the daemon's first engine, which has no standby to adopt."""

@@ -37,9 +37,10 @@ def built_config(monkeypatch, args, **spec):
     from vllm.v1.engine.async_llm import AsyncLLM
 
     for var in ("VLLM_CPU_KVCACHE_SPACE", engine.STARTUP_PLAN_VAR):  # set by build_engine: restored after
-        monkeypatch.setenv(var, os.environ.get(var, ""))
-        if not os.environ[var]:
-            monkeypatch.delenv(var)
+        if var in os.environ:
+            monkeypatch.setenv(var, os.environ[var])
+        else:
+            monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(AsyncLLM, "from_vllm_config", classmethod(lambda cls, cfg, **_: cfg))
     return engine.build_engine(engine.EngineSpec(args=copy.deepcopy(args), generation=2, instance_id="t-g2",
                                                  event_endpoint="", placement_group=None, **spec))
