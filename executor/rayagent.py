@@ -20,8 +20,13 @@ The standby's actor handles live here too: Ray ends an actor when its creator dr
 last handle, and handles cannot cross processes. The daemon names actors by id.
 
 The agent imports no vLLM (it would hold ≈ 600 MiB for nothing): a kill by name builds a
-handle without the actor's class (``executor.cluster.kill_named``); only a warm standby's
-creation imports the worker class, in the agent of a daemon that has one.
+handle without the actor's class (``executor.cluster.kill_named``). Only the agent of a daemon
+with a warm standby on Ray's V2 executor imports the worker class, on a thread beside Ray's
+start (``start_driver(preload=True)``): its first creation is the first build's, on the cold
+start's path. vLLM resolves its platform lazily and not thread-safely (``vllm.platforms.
+__getattr__``: check, build, set): two threads that import vLLM at once can each build one,
+and the Ray device key set on one is missing on the other. So nothing else here touches vLLM
+until that import is done: ``create_standby`` takes the config pickled and unpickles it after.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.managers
 import os
+import pickle
 import signal
 import threading
 import time
@@ -51,12 +57,17 @@ class RayService(RayCluster):
     def __init__(self, settings: dict):
         super().__init__(RaySettings(**settings))
         self.handles: dict[str, tuple[str, Any]] = {}  # actor id -> (name, handle): standbys we created
+        self._preload: threading.Thread | None = None  # the worker class's import, when asked for
 
-    def start_driver(self) -> tuple[str, bool]:
+    def start_driver(self, preload: bool = False) -> tuple[str, bool]:
         """``connect`` on a thread that lives as long as the agent: Ray starts a private
         cluster's GCS and raylet with a parent-death signal, which fires when the *thread* that
         started them ends (a connection's server thread ends with its connection). Returns
-        the GCS address and whether a private cluster was started."""
+        the GCS address and whether a private cluster was started. ``preload``: import the
+        standby worker's class (and vLLM) meanwhile, on a thread of its own."""
+        if preload and self._preload is None:
+            self._preload = threading.Thread(target=_import_worker_class, name="worker-class-import", daemon=True)
+            self._preload.start()
         done: dict[str, Any] = {}
         ready = threading.Event()
 
@@ -88,13 +99,18 @@ class RayService(RayCluster):
 
     # --- the warm standby's workers (executor.standby) ----------------------------------
 
-    def create_standby(self, vllm_config: Any, pg: Any, instance_id: str, namespace: str, options: dict,
+    def create_standby(self, pickled_config: bytes, pg: Any, instance_id: str, namespace: str, options: dict,
                        kv_bytes: int = 0) -> list[dict]:
-        """``options``: the actor options, computed by the daemon (``executor.standby.worker_options``:
+        """``pickled_config``: the engine's ``VllmConfig``, pickled, so that it is unpickled (which
+        imports vLLM) only after the worker class's import (the module's docstring says why);
+        ``options``: the actor options, computed by the daemon (``executor.standby.worker_options``:
         vLLM reads them from the environment of the process it runs in, and this one's is older);
         ``kv_bytes``: the KV memory each worker reserves (``executor.kv_reserve``)."""
+        if self._preload is not None:
+            self._preload.join()
         from executor.standby import create_standby_workers
 
+        vllm_config = pickle.loads(pickled_config)
         workers = create_standby_workers(vllm_config, pg, instance_id, namespace, options, kv_bytes)
         for w in workers:
             self.handles[w["actor_id"]] = (w["name"], w.pop("handle"))
@@ -113,6 +129,15 @@ class RayService(RayCluster):
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline and any(actor_state(a)["state"] != "DEAD" for a in actor_ids):
             time.sleep(0.1)
+
+
+def _import_worker_class() -> None:
+    """The agent's preload: the standby worker's class and what it imports (vLLM, torch). A
+    failure here is the creation's to report, when it imports the same in its own thread."""
+    try:
+        import executor.standby  # noqa: F401
+    except BaseException:
+        pass
 
 
 class _Manager(multiprocessing.managers.BaseManager):
@@ -160,9 +185,10 @@ class RayAgent:
         proc = self._manager and self._manager._process
         return proc.pid if proc is not None else None
 
-    def start(self) -> str:
+    def start(self, preload: bool = False) -> str:
         """Start the agent and connect it to Ray; returns the GCS address. Exports
-        ``RAY_ADDRESS`` so that vLLM's engine-core process joins the same cluster."""
+        ``RAY_ADDRESS`` so that vLLM's engine-core process joins the same cluster. ``preload``:
+        the agent imports the standby worker's class meanwhile (a warm standby's daemon)."""
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # for the engine cores too
         if not self.settings.address:
             private_token()  # in this process's environment: the agent and the engine cores inherit it
@@ -170,7 +196,7 @@ class RayAgent:
         manager.start(initializer=_agent_init, initargs=(os.getpid(),))
         self._manager = manager
         self._service = manager.RayService(self.settings.model_dump())
-        self.address, self.started_local = self.call("start_driver")
+        self.address, self.started_local = self.call("start_driver", preload)
         os.environ["RAY_ADDRESS"] = self.address
         return self.address
 

@@ -29,13 +29,15 @@ class RayLink:
         self.placement_groups: dict[int, Any] = {}  # replica -> its placement group
         self.predecessor_id = ""  # a crashed daemon's id whose Ray leftovers to remove (crashrecord)
         self._placing = threading.Lock()  # one placement group at a time: each sees where the others are
+        # whether the agent imports the standby worker's class beside Ray's start (a warm standby's daemon)
+        self.preload_worker_class: Callable[[], bool] = lambda: False
 
     def connect(self) -> None:
         from executor.rayagent import RayAgent
 
         agent = RayAgent(self.settings)
         try:
-            address = agent.start()
+            address = agent.start(preload=self.preload_worker_class())
         except BaseException:
             agent.kill()
             raise

@@ -5,6 +5,7 @@ the standby calls them through ``asyncio.to_thread``."""
 
 from __future__ import annotations
 
+import pickle
 import time
 from typing import Any, Callable
 
@@ -62,7 +63,8 @@ class StandbyWorkers:
         # Here, not in the agent: the next engine core starts with this process's environment.
         options = worker_options(vllm_config)
         kv_bytes = kv_reserve_bytes(vllm_config) if self.reserve_kv else 0
-        return self.ray.call("create_standby", vllm_config, pg, self.instance_id(number), self.namespace, options, kv_bytes)
+        # pickled here: the agent unpickles it (importing vLLM) once its own import is done
+        return self.ray.call("create_standby", pickle.dumps(vllm_config), pg, self.instance_id(number), self.namespace, options, kv_bytes)
 
     def starter(self, number: int, replica: int = 0) -> "WorkerStarter":
         """For a build with no standby workers to adopt (the first, a cold rebuild): a call that
@@ -85,12 +87,10 @@ class WorkerStarter:
     creates its workers only after the engine core's import, so a cold build imported vLLM
     twice in turn. Called once the build's config is made, before the engine core starts: the
     creation returns once Ray has the actors (they import meanwhile), and the executor adopts
-    them by name. The first creation in a Ray agent imports the worker's class there (≈ 10 s on
-    2 cores, before the engine core starts); an agent that imported it meanwhile, on a thread
-    beside Ray's start, was tried (builds 19-21 s instead of 27-29 s) and dropped: now and then
-    the creation then found vLLM's platform without its Ray device key (cause not found). A
-    creation that fails is logged and the build goes on as vLLM's own (None: vLLM creates the
-    workers)."""
+    them by name. The Ray agent imported the worker's class beside Ray's start
+    (``executor.rayagent``); had it not, the first creation would import it (≈ 10 s on 2 cores,
+    before the engine core starts). A creation that fails is logged and the build goes on as
+    vLLM's own (None: vLLM creates the workers)."""
 
     def __init__(self, workers: StandbyWorkers, number: int, replica: int):
         self.workers, self.number, self.replica = workers, number, replica
