@@ -21,12 +21,14 @@ last handle, and handles cannot cross processes. The daemon names actors by id.
 
 The agent imports no vLLM (it would hold ≈ 600 MiB for nothing): a kill by name builds a
 handle without the actor's class (``executor.cluster.kill_named``). Only the agent of a daemon
-with a warm standby on Ray's V2 executor imports the worker class, on a thread beside Ray's
-start (``start_driver(preload=True)``): its first creation is the first build's, on the cold
-start's path. vLLM resolves its platform lazily and not thread-safely (``vllm.platforms.
-__getattr__``: check, build, set): two threads that import vLLM at once can each build one,
-and the Ray device key set on one is missing on the other. So nothing else here touches vLLM
-until that import is done: ``create_standby`` takes the config pickled and unpickles it after.
+with a warm standby on Ray's V2 executor imports the worker class, on a thread from Ray's
+start on (``start_driver(preload=True)``, ``WorkerClassImport``): its first creation is the
+first build's, on the cold start's path. An import that fails is reported in the build's log
+line and costs only the head start. vLLM resolves its platform lazily and not thread-safely
+(``vllm.platforms.__getattr__``: check, build, set): two threads that import vLLM at once can
+each build one, and the Ray device key set on one is missing on the other. So nothing else
+here touches vLLM until that import is done: ``create_standby`` takes the config pickled and
+unpickles it after, and the standby's other calls wait for it too.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ class RayService(RayCluster):
     def __init__(self, settings: dict):
         super().__init__(RaySettings(**settings))
         self.handles: dict[str, tuple[str, Any]] = {}  # actor id -> (name, handle): standbys we created
-        self._preload: threading.Thread | None = None  # the worker class's import, when asked for
+        self.class_import = WorkerClassImport()  # the standby worker's class, imported ahead when asked
 
     def start_driver(self, preload: bool = False) -> tuple[str, bool]:
         """``connect`` on a thread that lives as long as the agent: Ray starts a private
@@ -65,9 +67,8 @@ class RayService(RayCluster):
         started them ends (a connection's server thread ends with its connection). Returns
         the GCS address and whether a private cluster was started. ``preload``: import the
         standby worker's class (and vLLM) meanwhile, on a thread of its own."""
-        if preload and self._preload is None:
-            self._preload = threading.Thread(target=_import_worker_class, name="worker-class-import", daemon=True)
-            self._preload.start()
+        if preload:
+            self.class_import.start()
         done: dict[str, Any] = {}
         ready = threading.Event()
 
@@ -106,8 +107,7 @@ class RayService(RayCluster):
         ``options``: the actor options, computed by the daemon (``executor.standby.worker_options``:
         vLLM reads them from the environment of the process it runs in, and this one's is older);
         ``kv_bytes``: the KV memory each worker reserves (``executor.kv_reserve``)."""
-        if self._preload is not None:
-            self._preload.join()
+        self.class_import.wait()
         from executor.standby import create_standby_workers
 
         vllm_config = pickle.loads(pickled_config)
@@ -116,13 +116,18 @@ class RayService(RayCluster):
             self.handles[w["actor_id"]] = (w["name"], w.pop("handle"))
         return workers
 
+    def worker_class_import(self) -> dict:
+        return self.class_import.report()
+
     def standby_states(self, actor_ids: list[str]) -> list[dict]:
+        self.class_import.wait()
         from executor.standby import actor_state
 
         return [actor_state(a) for a in actor_ids]
 
     def kill_standby(self, actor_ids: list[str], wait_s: float) -> None:
         """Kill standby workers and wait (bounded) until Ray has released their names."""
+        self.class_import.wait()
         from executor.standby import actor_state
 
         kill_handles([self.handles.pop(a)[1] for a in actor_ids if a in self.handles])
@@ -131,13 +136,47 @@ class RayService(RayCluster):
             time.sleep(0.1)
 
 
-def _import_worker_class() -> None:
-    """The agent's preload: the standby worker's class and what it imports (vLLM, torch). A
-    failure here is the creation's to report, when it imports the same in its own thread."""
-    try:
-        import executor.standby  # noqa: F401
-    except BaseException:
-        pass
+class WorkerClassImport:
+    """The standby worker's class (``executor.standby``: vLLM, torch) imported on a thread of
+    the agent's own, so that the first creation does not import it on a build's path. What
+    touches vLLM in the agent waits for it first (``wait``): the module's docstring says why. A
+    failed or hung import is reported (``report``), and the creation then imports in its own
+    thread or fails, and the build's vLLM creates its workers."""
+
+    WAIT_S = 180.0  # the import takes 10-20 s on 2 busy cores
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._outcome: dict[str, Any] = {"asked": False}
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._outcome = {"asked": True, "done": False}
+            self._thread = threading.Thread(target=self._run, name="worker-class-import", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        started = time.monotonic()
+        try:
+            import executor.standby  # noqa: F401
+            self._outcome.update(ok=True)
+        except BaseException as exc:  # reported; the creation imports (and fails) in its own thread
+            self._outcome.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:300])
+        self._outcome.update(done=True, took_s=round(time.monotonic() - started, 2))
+
+    def wait(self) -> None:
+        """Until the import is done (at once when none was asked for); the first wait's length
+        is reported. Raises ``TimeoutError`` after ``WAIT_S``."""
+        if self._thread is None:
+            return
+        started = time.monotonic()
+        self._thread.join(self.WAIT_S)
+        if self._thread.is_alive():
+            raise TimeoutError(f"the standby worker class's import is not done after {self.WAIT_S:.0f} s")
+        self._outcome.setdefault("first_wait_s", round(time.monotonic() - started, 2))
+
+    def report(self) -> dict[str, Any]:
+        return dict(self._outcome)
 
 
 class _Manager(multiprocessing.managers.BaseManager):

@@ -155,8 +155,11 @@ class StandbyRayWorkerProc(SupervisedRayWorkerProc):
 
 
 def _ensure_device_key() -> str:
+    """vLLM's CPU platform has no Ray device key; its Ray code reads it from the platform object
+    each of its modules bound at import. On the class too: a process that imported vLLM on two
+    threads at once may hold two such objects (``executor.rayagent``'s docstring)."""
     if current_platform.is_cpu() and not current_platform.ray_device_key:
-        current_platform.ray_device_key = "CPU"
+        current_platform.ray_device_key = type(current_platform).ray_device_key = "CPU"
     return current_platform.ray_device_key
 
 

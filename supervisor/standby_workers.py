@@ -72,6 +72,14 @@ class StandbyWorkers:
         (``executor.engine.EngineSpec.start_workers``)."""
         return WorkerStarter(self, number, replica)
 
+    def class_import(self) -> dict[str, Any]:
+        """The Ray agent's import of the workers' class ahead (``executor.rayagent.WorkerClassImport``),
+        for the log: an agent gone says so instead."""
+        try:
+            return self.ray.call("worker_class_import")
+        except Exception as exc:
+            return {"error": f"{type(exc).__name__}: {exc}"[:200]}
+
     def states(self, workers: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return self.ray.call("standby_states", [w["actor_id"] for w in workers])
 
@@ -110,5 +118,6 @@ class WorkerStarter:
                 log.warning("could not kill a half-made start's workers", error=str(kill_exc)[:300])
             return None
         log.info("the build's workers start beside its engine core", engine_generation=self.number,
-                 replica=self.replica, workers=[w["name"] for w in made], took_s=round(time.monotonic() - started, 2))
+                 replica=self.replica, workers=[w["name"] for w in made], took_s=round(time.monotonic() - started, 2),
+                 class_import=self.workers.class_import())
         return self.workers.namespace

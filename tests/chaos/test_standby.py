@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import glob
+import json
 import os
 import re
 import time
@@ -74,14 +75,15 @@ def exact(records, ref) -> None:
 def test_the_first_build_adopts_the_workers_it_started_beside_its_engine_core(tp1, ray_head):
     """A cold build with a warm standby starts its own workers as standbys before its engine
     core imports vLLM (``StandbyWorkers.starter``), in a Ray agent that imported their class
-    beside Ray's start; its executor adopts them. A creation that finds vLLM's platform without
-    its Ray device key (two platform objects: the agent imported vLLM on two threads at once)
-    falls back to vLLM's own workers, and this test fails."""
+    ahead, beside Ray's start (``WorkerClassImport``); its executor adopts them."""
     daemon, _ = tp1
     lines = daemon.log_path.read_text(errors="replace").splitlines()
     assert not [line for line in lines if "could not start the build's workers" in line], "the early start failed"
-    started = [line for line in lines if "the build's workers start beside its engine core" in line]
-    assert started and '"engine_generation": 1' in started[0], started
+    started = [json.loads(line) for line in lines if "the build's workers start beside its engine core" in line]
+    assert started and started[0]["engine_generation"] == 1, started
+    # the agent imported the class ahead, and the creation waited for that import
+    imported = started[0]["class_import"]
+    assert imported["asked"] and imported["ok"] and "first_wait_s" in imported, imported
     up = re.compile(r"generation 1: 1 Ray worker actor\(s\) up: .*adopted standby ranks: \[0\]")
     assert any(up.search(line) for line in lines), [line for line in lines if "worker actor(s) up" in line]
 

@@ -285,6 +285,9 @@ class FakeStandbyWorkers:
             self.b.actor_states[w["actor_id"]] = "DEAD"
 
     starter = StandbyWorkers.starter  # the real one, on these fake actors
+
+    def class_import(self):
+        return {"asked": False}
     ray = property(lambda self: self.b.ray)
     instance_id = staticmethod(lambda number: f"fake-g{number}")
 
