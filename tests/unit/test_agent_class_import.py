@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pickle
 import threading
-import time
 
 import pytest
 
@@ -42,6 +41,20 @@ def slow_import(monkeypatch, until: threading.Event) -> WorkerClassImport:
     return imp
 
 
+def started_with_a_join_signal(imp: WorkerClassImport) -> threading.Event:
+    """Start ``imp``; the event is set when a call begins to wait for it (no timing involved:
+    a call that does not wait never sets it)."""
+    imp.start()
+    joined, join = threading.Event(), imp._thread.join
+
+    def signalling_join(timeout=None):
+        joined.set()
+        return join(timeout)
+
+    imp._thread.join = signalling_join
+    return joined
+
+
 def test_create_standby_unpickles_its_config_only_after_the_worker_class_import(monkeypatch):
     UNPICKLED.clear()
     IMPORT_DONE.clear()
@@ -49,12 +62,12 @@ def test_create_standby_unpickles_its_config_only_after_the_worker_class_import(
     monkeypatch.setattr(standby, "create_standby_workers",
                         lambda cfg, *args: [{"actor_id": "a1", "name": "w", "handle": object(), "config": cfg}])
     imp = slow_import(monkeypatch, IMPORT_DONE)
-    imp.start()
+    joined = started_with_a_join_signal(imp)
     service = service_with(imp)
     call = threading.Thread(target=lambda: made.extend(
         service.create_standby(pickle.dumps(Config()), None, "inst-g1", "ns", {})))
     call.start()
-    time.sleep(0.5)
+    assert joined.wait(10), "create_standby did not wait for the import"
     assert UNPICKLED == [] and not made, "the config was unpickled while the import ran"
     IMPORT_DONE.set()
     call.join(10)
@@ -69,10 +82,10 @@ def test_the_other_standby_calls_wait_for_the_import_too(monkeypatch):
     asked: list = []
     monkeypatch.setattr(standby, "actor_state", lambda a: asked.append(done.is_set()) or {"state": "DEAD"})
     imp = slow_import(monkeypatch, done)
-    imp.start()
+    joined = started_with_a_join_signal(imp)
     call = threading.Thread(target=lambda: service_with(imp).standby_states(["a1"]))
     call.start()
-    time.sleep(0.3)
+    assert joined.wait(10), "standby_states did not wait for the import"
     assert asked == []
     done.set()
     call.join(10)
