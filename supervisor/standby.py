@@ -108,6 +108,12 @@ class Standby:
             **({"last_error": self.last_error} if self.last_error else {}),
         }
 
+    @property
+    def creates_workers(self) -> bool:
+        """Whether this standby (and each build's ``starter``) creates worker actors through the
+        Ray agent: a warm standby on Ray's executor (without Ray, the fork server only)."""
+        return self.enabled and self.host.uses_ray
+
     # --- the owner's calls ----------------------------------------------------------------
 
     def prepare(self, generation: int, vllm_config: Any, replica: int = 0) -> bool:
