@@ -191,6 +191,11 @@ def spread(values: list[float]) -> str:
     return f"{min(values):.3f} / {statistics.median(values):.3f} / {max(values):.3f}"
 
 
+def p99(values: list[float]) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(0.99 * (len(s) - 1))))]
+
+
 def base_parser(description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")

@@ -33,7 +33,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from bench.common import MODEL_NAME, base_parser, start_daemon
+from bench.common import MODEL_NAME, base_parser, p99, start_daemon
 from chaos import inject
 from chaos.harness import Daemon, RayHead
 from chaos.load import PROMPTS, RequestRecord, client, compare, stream_one
@@ -141,11 +141,6 @@ async def _kill_under_load(daemon: Daemon, head: RayHead, args: Any, reference: 
         "gaps": [round(g, 3) for g in gaps],
         "standby_result": ((daemon.status()["recoveries"] or [{}])[-1].get("standby") or {}).get("result", "none"),
     }
-
-
-def p99(values: list[float]) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(round(0.99 * (len(s) - 1))))]
 
 
 def write_report(results: list[dict], out: Path, args: Any) -> str:
