@@ -207,18 +207,6 @@ def _agent_init(daemon_pid: int) -> None:
         pass
 
 
-def export_client_env(settings: Any) -> None:
-    """Ray's client environment, in this process's, for every process the daemon starts to
-    inherit (the agent, the fork server, engine cores): usage stats off and, for a private
-    cluster, its token auth (``executor.cluster.private_token``). Idempotent. Before the fork
-    server imports Ray: Ray reads the auth mode when it is imported, so an engine core forked
-    from a server that imported Ray without it would connect with auth "disabled" and be
-    refused (``RAY_ADDRESS``, read when ``ray.init`` runs, can come later)."""
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    if not settings.address:
-        private_token()
-
-
 class RayAgent:
     """The daemon's side: start, stop or kill the agent; ``call`` a ``RayService`` method.
 
@@ -240,7 +228,9 @@ class RayAgent:
         """Start the agent and connect it to Ray; returns the GCS address. Exports
         ``RAY_ADDRESS`` so that vLLM's engine-core process joins the same cluster. ``preload``:
         the agent imports the standby worker's class meanwhile (a warm standby's daemon)."""
-        export_client_env(self.settings)
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # for the engine cores too
+        if not self.settings.address:
+            private_token()  # in this process's environment: the agent and the engine cores inherit it
         manager = _Manager(ctx=multiprocessing.get_context("spawn"), shutdown_timeout=30.0)
         manager.start(initializer=_agent_init, initargs=(os.getpid(),))
         self._manager = manager

@@ -32,13 +32,6 @@ class RayLink:
         # whether the agent imports the standby worker's class beside Ray's start (a warm standby's daemon)
         self.preload_worker_class: Callable[[], bool] = lambda: False
 
-    def export_client_env(self) -> None:
-        """Ray's client environment (its auth for a private cluster) in the daemon's, before a
-        process that imports Ray starts: the fork server (``executor.rayagent.export_client_env``)."""
-        from executor.rayagent import export_client_env
-
-        export_client_env(self.settings)
-
     def connect(self) -> None:
         from executor.rayagent import RayAgent
 

@@ -42,12 +42,7 @@ class Recovery:
         self.cluster, self.post, self.metrics = cluster, post, metrics
 
     async def prepare(self) -> None:
-        """The model and the Ray connection, before the first builds; beside them, the
-        standby's fork server, for the first build's engine core too (after Ray's client
-        environment is in place: the server imports Ray)."""
-        if self.builder.uses_ray:
-            self.ray.export_client_env()
-        self.standby.start_forkserver()
+        """The model and the Ray connection, before the first builds."""
         try:
             await asyncio.to_thread(self.builder.prepare_model)
             if self.builder.uses_ray:

@@ -1,11 +1,9 @@
 """The warm standby: what the next engine generation can adopt, prepared while this one serves.
 
-Two parts, both owned by this daemon and (again) started after a generation is READY:
+Two parts, both started after a generation is READY and both owned by this daemon:
 
 * the engine core's fork server (``executor.forkserver``): vLLM imported once; each next
-  engine core forks from it instead of spawning an interpreter that imports vLLM again. The
-  first one starts with the daemon (``start_forkserver``), beside Ray's start, so the first
-  build's engine core forks from it too;
+  engine core forks from it instead of spawning an interpreter that imports vLLM again;
 * one standby worker actor per rank (``executor.standby``, Ray executor only): a Ray worker
   process with vLLM and the model's module imported, named and placed as the next
   generation's worker of that rank, holding no resources until the executor adopts it.
@@ -42,9 +40,6 @@ RETRY_S = (1.0, 30.0)  # backoff after a failed preparation: first, max
 # import, ≈ 8 s of CPU a rank) took cores from that. A failure meanwhile is built without
 # workers to adopt, as it would be while they start.
 SETTLE_S = 3.0
-# How long the standby's preparation, or a stop, waits for the fork server the daemon's start
-# is still starting (its imports take 6-12 s on a 2-core machine).
-EARLY_WAIT_S = 60.0
 
 
 class StandbyState(str, enum.Enum):
@@ -85,7 +80,6 @@ class Standby:
         self.ready_after_s: float | None = None  # the settle's end → READY, last time
         self.last_error = ""
         self._task: asyncio.Task | None = None
-        self._early: asyncio.Task | None = None  # the fork server's start with the daemon's
         self._creating = asyncio.Lock()
         metrics.set_standby(self.state.value)
 
@@ -121,37 +115,6 @@ class Standby:
         return self.enabled and self.host.uses_ray
 
     # --- the owner's calls ----------------------------------------------------------------
-
-    def start_forkserver(self) -> None:
-        """At the daemon's start: the fork server imports vLLM beside Ray's start and the
-        model's preparation, so that the first build's engine core forks from it instead of
-        spawning an interpreter that imports vLLM on the build's path (≈ 12 s of a cold start
-        on a 2-core machine). It is the standby's own fork server, kept for the next builds.
-        A failure is logged; the first build then spawns its engine core, as without it."""
-        if self.enabled and self._early is None:
-            self._early = asyncio.create_task(self._start_early(), name="standby-forkserver-early")
-
-    async def _start_early(self) -> None:
-        try:
-            took = await asyncio.to_thread(self.host.start_forkserver)
-            self.forkserver_pid = await asyncio.to_thread(self.host.forkserver_pid)
-            log.info("standby engine-core fork server ready", took_s=round(took, 2), started="with the daemon",
-                     forkserver_pid=self.forkserver_pid)
-        except Exception as exc:
-            log.warning("could not start the engine-core fork server with the daemon; the first build spawns "
-                        "its engine core", error=f"{type(exc).__name__}: {exc}"[:300])
-
-    async def _forkserver_alive(self, wait: bool = False) -> bool:
-        """Whether engine cores can fork from the fork server: it runs, or the daemon's start
-        is still starting it. A build does not wait for that: its engine core's fork waits for
-        the server's imports by itself (the server answers once it imported them), while the
-        build's workers start. ``wait``: for that start to end first (bounded)."""
-        early = self._early
-        if early is not None and not early.done():
-            if not wait:
-                return True
-            await asyncio.wait({early}, timeout=EARLY_WAIT_S)  # a wait, not a cancel, when it ends
-        return await asyncio.to_thread(self.host.forkserver_alive)
 
     def prepare(self, generation: int, vllm_config: Any, replica: int = 0) -> bool:
         """Start preparing the standby for generation number ``generation``, on the nodes of
@@ -189,10 +152,10 @@ class Standby:
         if mine:  # decided before the first await: no other build can take it meanwhile
             self._to(StandbyState.ADOPTING, f"building generation {generation}")
         elif self.state in (StandbyState.PREPARING, StandbyState.READY, StandbyState.ADOPTING):
-            return {"namespace": None, "forkserver": await self._forkserver_alive()}
+            return {"namespace": None, "forkserver": await asyncio.to_thread(self.host.forkserver_alive)}
         async with self._creating:  # an actor creation in flight finishes first
             await self._cancel()
-        forkserver = await self._forkserver_alive()
+        forkserver = await asyncio.to_thread(self.host.forkserver_alive)
         if not mine:
             if self.state is StandbyState.UNAVAILABLE:
                 self._to(StandbyState.OFF, f"building generation {generation} without it")
@@ -235,9 +198,6 @@ class Standby:
             self._to(StandbyState.OFF, "the build that claimed it failed")
 
     async def stop(self) -> None:
-        early = self._early
-        if early is not None and not early.done():  # a thread that cannot be cancelled: let it end,
-            await asyncio.wait({early}, timeout=EARLY_WAIT_S)  # so that no server starts after the stop
         async with self._creating:
             await self._cancel()
         try:
@@ -304,7 +264,7 @@ class Standby:
                 self._to(StandbyState.PREPARING, "retrying")
 
     async def _make_ready(self, generation: int, vllm_config: Any, started: float) -> None:
-        if not await self._forkserver_alive(wait=True):
+        if not await asyncio.to_thread(self.host.forkserver_alive):
             took = await asyncio.to_thread(self.host.start_forkserver)
             log.info("standby engine-core fork server ready", took_s=round(took, 2))
         self.forkserver_pid = await asyncio.to_thread(self.host.forkserver_pid)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import threading
 
 from supervisor.events import EngineFailed, SignalReceived
 from supervisor.standby import TRANSITIONS, StandbyState
@@ -24,9 +23,7 @@ async def started_with_standby(tmp_path):
 def test_standby_is_prepared_adopted_and_prepared_again(tmp_path):
     async def scenario():
         sup, b, owner = await started_with_standby(tmp_path)
-        # the first build has no standby workers, but its engine core forks from the fork
-        # server the daemon's start began (Standby.start_forkserver)
-        assert b.claims[0] == (1, {"namespace": None, "forkserver": True})
+        assert b.claims[0] == (1, {"namespace": None, "forkserver": False})  # the first start is cold
         assert sup.standby.generation == 2 and b.forkserver_up
         assert sup.status()["standby"]["workers"][0]["state"] == "ALIVE"
 
@@ -140,7 +137,7 @@ def test_the_standby_waits_for_the_resumed_streams_before_it_starts(tmp_path, mo
         ready_at = asyncio.get_running_loop().time()
         assert sup.standby.state is StandbyState.PREPARING
         await asyncio.sleep(0.3)
-        assert sup.builder.standby_made == []  # (the fork server is up since the daemon's start)
+        assert sup.builder.standby_made == [] and not sup.builder.forkserver_up
         await wait_for(lambda: sup.standby.state is StandbyState.READY)
         # ``ready_at`` is when the poll (every 10 ms) saw READY, up to a poll after the settle began
         assert asyncio.get_running_loop().time() - ready_at >= 0.5 - 0.02
@@ -165,65 +162,5 @@ def test_a_failed_start_of_the_builds_own_workers_leaves_none_and_the_build_goes
         assert sup.builder.serving[1] == "cold-1" and sup.builder.started_early == []
         assert sup.builder.ray.killed_instances[:1] == ["fake-g1"]
         owner.cancel()
-
-    run(scenario())
-
-
-def test_the_first_build_forks_from_the_fork_server_the_daemon_is_starting_and_a_stop_waits_for_it(tmp_path):
-    """The fork server starts with the daemon, beside Ray's start; the first build does not wait
-    for its imports (its workers start meanwhile; its engine core's fork waits for the server
-    by itself) and is told to fork from it; a stop while it starts waits for that start to end,
-    so that no server is left started after the stop."""
-    release = threading.Event()
-
-    async def scenario(stop_first: bool):
-        sup = FakeSupervisor(settings(tmp_path))
-        b = sup.builder
-        started = []
-
-        def slow_start():  # vLLM's import in the server, held until released
-            started.append(True)
-            assert release.wait(10)
-            b.forkserver_up = True
-            return 5.0
-
-        b.standby_workers.start_forkserver = slow_start
-        owner = asyncio.create_task(sup.run())
-        await wait_for(lambda: started)
-        if stop_first:
-            sup.post(SignalReceived(signal.SIGTERM))
-            await asyncio.sleep(0.3)
-            assert not owner.done()  # the stop waits for the start it cannot cancel
-            release.set()
-            assert await owner == 0
-            assert not b.forkserver_up  # stopped after its start ended: nothing left
-            return
-        await wait_for(lambda: b.claims)  # while the server still imports
-        assert b.claims[0] == (1, {"namespace": None, "forkserver": True}) and not release.is_set()
-        release.set()
-        await wait_for(lambda: sup.state is State.READY and sup.standby.status()["forkserver_pid"] == 4242)
-        sup.post(SignalReceived(signal.SIGTERM))
-        assert await owner == 0
-        assert not b.forkserver_up
-
-    run(scenario(stop_first=False))
-    release.clear()
-    run(scenario(stop_first=True))
-
-
-def test_a_fork_server_that_fails_to_start_with_the_daemon_leaves_the_first_build_spawning(tmp_path):
-    async def scenario():
-        sup = FakeSupervisor(settings(tmp_path))
-        b = sup.builder
-
-        def broken():
-            raise RuntimeError("fork server probe exited with 1")
-
-        b.standby_workers.start_forkserver = broken
-        owner = asyncio.create_task(sup.run())
-        await wait_for(lambda: sup.state is State.READY)
-        assert b.claims[0] == (1, {"namespace": None, "forkserver": False})  # spawned, and serving
-        sup.post(SignalReceived(signal.SIGTERM))
-        assert await owner == 0
 
     run(scenario())

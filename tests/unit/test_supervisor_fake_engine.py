@@ -198,9 +198,6 @@ class FakeRayLink:
     gcs_address = ""  # the cluster-loss tests point it at a TCP server of their own
     cluster_lost = released = False
     agent_up = True
-
-    def export_client_env(self):
-        pass
     agent_pid = None
     predecessor_id = ""
 
