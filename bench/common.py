@@ -17,6 +17,7 @@ from typing import Any, Iterator
 import httpx
 
 from chaos.harness import OPERATOR_ENV, Daemon, RayHead, demo_model_path, free_port, shm_segments
+from chaos.load import RequestRecord
 from executor.shm import sweep
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -194,6 +195,18 @@ def spread(values: list[float]) -> str:
 def p99(values: list[float]) -> float:
     s = sorted(values)
     return s[min(len(s) - 1, int(round(0.99 * (len(s) - 1))))]
+
+
+def gaps_in(records: list[RequestRecord], start: float, end: float, clients: int) -> list[float]:
+    """Per client: the largest wait it saw inside [start, end] (between chunks, or from
+    sending a request to its first chunk)."""
+    worst = [0.0] * clients
+    for r in records:
+        times = [r.started, *r.chunk_times]
+        for a, b in zip(times, times[1:]):
+            if b >= start and a <= end:
+                worst[r.index] = max(worst[r.index], b - a)
+    return worst
 
 
 def base_parser(description: str) -> argparse.ArgumentParser:

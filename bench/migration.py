@@ -33,7 +33,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from bench.common import MODEL_NAME, base_parser, p99, start_daemon
+from bench.common import MODEL_NAME, base_parser, gaps_in, p99, start_daemon
 from chaos import inject
 from chaos.harness import Daemon, RayHead
 from chaos.load import PROMPTS, RequestRecord, client, compare, stream_one
@@ -60,18 +60,6 @@ async def load(base_url: str, clients: int, tokens: int, stop: asyncio.Event) ->
     finally:
         await api.close()
     return records
-
-
-def gaps_in(records: list[RequestRecord], start: float, end: float, clients: int) -> list[float]:
-    """Per client: the largest wait it saw inside [start, end] (between chunks, or from
-    sending a request to its first chunk)."""
-    worst = [0.0] * clients
-    for r in records:
-        times = [r.started, *r.chunk_times]
-        for a, b in zip(times, times[1:]):
-            if b >= start and a <= end:
-                worst[r.index] = max(worst[r.index], b - a)
-    return worst
 
 
 def chunks_per_s(records: list[RequestRecord], start: float, end: float) -> float:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import MODEL_NAME, VllmServe, base_parser, p99, process_usage, spread, start_daemon
+from bench.common import MODEL_NAME, VllmServe, base_parser, gaps_in, p99, process_usage, spread, start_daemon
 from chaos import inject
 from chaos.harness import BIN, Daemon, RayHead
 from chaos.load import first_token_after, run_with_fault
@@ -77,17 +77,10 @@ def anchor_process_restart(work: Path, head: RayHead, reps: int, tp: int) -> lis
     return times
 
 
-def largest_gap(r) -> float:
-    """The longest a client waited while streaming: between two chunks, or from its request
-    to its first chunk."""
-    times = [r.started, *r.chunk_times]
-    return max(b - a for a, b in zip(times, times[1:]))
-
-
 def kills(daemon: Daemon, head: RayHead, n: int, tp: int, standby: bool,
           streams: int = 4) -> tuple[list[float], list[float], list[dict]]:
     """``n`` kills under ``streams`` streams: kill → first token (s), detection (ms), recovery
-    records (each with ``gaps_s``, every stream's largest gap)."""
+    records (each with ``gaps_s``: every stream's largest gap from the kill to that first token)."""
     recover, detect, records_out = [], [], []
     for i in range(n):
         gen = daemon.status()["generation"]
@@ -102,7 +95,7 @@ def kills(daemon: Daemon, head: RayHead, n: int, tp: int, standby: bool,
         assert first is not None and all(r.outcome == "ok" for r in records), [r.error for r in records]
         recover.append(first - info["monotonic"])
         rec["kill_to_first_token_s"] = recover[-1]
-        rec["gaps_s"] = [round(largest_gap(r), 3) for r in records]
+        rec["gaps_s"] = [round(g, 3) for g in gaps_in(records, info["monotonic"], first, streams)]
         records_out.append(rec)
         label = f"with standby ({(rec.get('standby') or {}).get('result')})" if standby else "without standby"
         print(f"TP={tp} kill {i + 1} {label}: detection {detect[-1]:.1f} ms, kill → first token {recover[-1]:.1f} s, "
