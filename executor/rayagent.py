@@ -61,12 +61,22 @@ class RayService(RayCluster):
         self.handles: dict[str, tuple[str, Any]] = {}  # actor id -> (name, handle): standbys we created
         self.class_import = WorkerClassImport()  # the standby worker's class, imported ahead when asked
 
-    def start_driver(self, preload: bool = False) -> tuple[str, bool]:
+    def import_worker_class(self) -> None:
+        """Start importing the standby worker's class now, before Ray starts (an agent started
+        ahead of the daemon's own vLLM import: ``RayAgent.spawn``)."""
+        self.class_import.start()
+
+    def start_driver(self, preload: bool = False, environ: dict[str, str] | None = None) -> tuple[str, bool]:
         """``connect`` on a thread that lives as long as the agent: Ray starts a private
         cluster's GCS and raylet with a parent-death signal, which fires when the *thread* that
         started them ends (a connection's server thread ends with its connection). Returns
         the GCS address and whether a private cluster was started. ``preload``: import the
-        standby worker's class (and vLLM) meanwhile, on a thread of its own."""
+        standby worker's class (and vLLM) meanwhile, on a thread of its own. ``environ``: the
+        daemon's environment now, taken over first: an agent spawned ahead of the daemon's
+        vLLM import lacks what that import set (a private cluster's raylet, and so its
+        workers, inherit this process's environment)."""
+        if environ:
+            os.environ.update(environ)
         if preload:
             self.class_import.start()
         done: dict[str, Any] = {}
@@ -216,6 +226,7 @@ class RayAgent:
         self.settings = settings
         self.address = ""
         self.started_local = False
+        self.preloading = False  # the worker class's import was asked for at the spawn
         self._manager: _Manager | None = None
         self._service: Any = None
 
@@ -224,10 +235,11 @@ class RayAgent:
         proc = self._manager and self._manager._process
         return proc.pid if proc is not None else None
 
-    def start(self, preload: bool = False) -> str:
-        """Start the agent and connect it to Ray; returns the GCS address. Exports
-        ``RAY_ADDRESS`` so that vLLM's engine-core process joins the same cluster. ``preload``:
-        the agent imports the standby worker's class meanwhile (a warm standby's daemon)."""
+    def spawn(self, preload: bool = False) -> "RayAgent":
+        """Start the agent's process, without Ray. ``preload``: it imports the standby worker's
+        class from now on (a warm standby's daemon). The daemon spawns its first agent so,
+        before its own import of vLLM (``supervisor.raylink.early_agent``): the two imports
+        then run side by side, and the first build does not wait for the class."""
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # for the engine cores too
         if not self.settings.address:
             private_token()  # in this process's environment: the agent and the engine cores inherit it
@@ -235,7 +247,18 @@ class RayAgent:
         manager.start(initializer=_agent_init, initargs=(os.getpid(),))
         self._manager = manager
         self._service = manager.RayService(self.settings.model_dump())
-        self.address, self.started_local = self.call("start_driver", preload)
+        if preload:
+            self.call("import_worker_class")
+            self.preloading = True
+        return self
+
+    def start(self, preload: bool = False) -> str:
+        """Connect the agent to Ray (spawning it first unless ``spawn`` did); returns the GCS
+        address. Exports ``RAY_ADDRESS`` so that vLLM's engine-core process joins the same
+        cluster. ``preload``: the agent imports the standby worker's class meanwhile."""
+        if self._manager is None:
+            self.spawn()
+        self.address, self.started_local = self.call("start_driver", preload, dict(os.environ))
         os.environ["RAY_ADDRESS"] = self.address
         return self.address
 

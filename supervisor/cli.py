@@ -44,10 +44,11 @@ class ServeArgsError(Exception):
     pass
 
 
-def parse_serve(argv: list[str]) -> tuple[Settings, argparse.Namespace]:
+def parse_serve(argv: list[str], settings: Settings | None = None) -> tuple[Settings, argparse.Namespace]:
     """(supervision settings, vLLM's serve Namespace). Raises ``ConfigError`` for a bad
-    supervision value (before vLLM is imported) and ``ServeArgsError`` for flags vLLM rejects."""
-    settings = load_supervision(argv)
+    supervision value (before vLLM is imported) and ``ServeArgsError`` for flags vLLM rejects.
+    ``settings``: ``load_supervision(argv)``'s, when the caller has them already."""
+    settings = settings or load_supervision(argv)
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -149,15 +150,27 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     prefer_spawn()  # before anything imports vLLM, as `vllm serve` does
     forget_signals_in_forks()
+    agent = None
     try:
-        settings, ns = parse_serve(rest)
-    except ConfigError as exc:
-        print(str(exc), file=sys.stderr)
+        settings = load_supervision(rest)
+        # the first Ray agent's process (no Ray yet), so that its import of vLLM runs beside ours
+        from supervisor.raylink import early_agent
+
+        agent = early_agent(settings, rest)
+        settings, ns = parse_serve(rest, settings)
+    except (ConfigError, ServeArgsError) as exc:
+        _kill(agent)  # before the message: nothing of ours outlives the exit
+        print(str(exc) if isinstance(exc, ConfigError) else f"config error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
-    except ServeArgsError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
-    return run(settings, ns, reload=lambda: parse_serve(rest))
+    except BaseException:  # a help page's exit, an interrupt
+        _kill(agent)
+        raise
+    return run(settings, ns, reload=lambda: parse_serve(rest), early_agent=agent)
+
+
+def _kill(agent: Any) -> None:
+    if agent is not None:
+        agent.kill()
 
 
 def _check_config(argv: list[str]) -> int:
@@ -181,7 +194,7 @@ def _check_config(argv: list[str]) -> int:
     return 0
 
 
-def run(settings: Settings, engine_args: Any, reload: Any = None) -> int:
+def run(settings: Settings, engine_args: Any, reload: Any = None, early_agent: Any = None) -> int:
     import uvloop
 
     from supervisor import logs
@@ -189,10 +202,10 @@ def run(settings: Settings, engine_args: Any, reload: Any = None) -> int:
     logs.configure(settings.supervisor.log_level, settings.supervisor.log_format)
     # uvloop, as `vllm serve` runs its server: the standard loop's Python transports cost the
     # request path about twice the CPU per streamed token (bench.profile, docs/benchmarks.md)
-    return uvloop.run(_serve(settings, engine_args, reload))
+    return uvloop.run(_serve(settings, engine_args, reload, early_agent))
 
 
-async def _serve(settings: Settings, engine_args: Any, reload: Any = None) -> int:
+async def _serve(settings: Settings, engine_args: Any, reload: Any = None, early_agent: Any = None) -> int:
     from supervisor.control import socket_path
     from supervisor.daemon import Supervisor
     from supervisor.http import Front
@@ -200,14 +213,16 @@ async def _serve(settings: Settings, engine_args: Any, reload: Any = None) -> in
     from supervisor.control import socket_answers
 
     control = socket_path(settings.supervisor.control_socket, engine_args.port, engine_args.uds or "")
-    sup = Supervisor(settings, engine_args, reload_settings=reload, control_socket=control)
+    sup = Supervisor(settings, engine_args, reload_settings=reload, control_socket=control, early_agent=early_agent)
     front = Front(sup, engine_args)
     try:
         front.bind()
     except OSError as exc:
+        sup.ray.drop_early()
         print(f"error: cannot listen on {engine_args.uds or f'{engine_args.host}:{engine_args.port}'}: {exc}", file=sys.stderr)
         return EXIT_UNAVAILABLE
     if socket_answers(control):
+        sup.ray.drop_early()
         print(f"error: another daemon answers on the control socket {control} (set --control-socket)", file=sys.stderr)
         return EXIT_UNAVAILABLE
     record = _crash_only_start(settings, engine_args, sup, control)

@@ -60,9 +60,10 @@ log = logs.get_logger("vllm_supervisor.daemon")
 class Supervisor:
     def __init__(self, settings: Settings, engine_args: Any, registry: Any = None, reload_settings: Any = None,
                  control_socket: str | None = None, builder: EngineBuilder | None = None,
-                 standby_workers: StandbyWorkers | None = None):
+                 standby_workers: StandbyWorkers | None = None, early_agent: Any = None):
         """``builder`` (with its ``ray``) and ``standby_workers`` are the parts that reach below
-        (vLLM, Ray, the fork server); tests hand in fakes of them."""
+        (vLLM, Ray, the fork server); tests hand in fakes of them. ``early_agent``: the Ray agent
+        the command line spawned before it imported vLLM (``supervisor.raylink.early_agent``)."""
         cfg = settings.supervisor
         self.control_socket = control_socket
         self.daemon_id = f"vsup{os.getpid()}x{uuid.uuid4().hex[:6]}"
@@ -72,9 +73,12 @@ class Supervisor:
         if builder is None:
             # the link to the Ray cluster: the agent, placement groups, actor kills
             ray = RayLink(settings.ray, daemon_id=self.daemon_id, shape=lambda: (
-                self.builder.engine_args.tensor_parallel_size, self.builder.engine_args.pipeline_parallel_size))
+                self.builder.engine_args.tensor_parallel_size, self.builder.engine_args.pipeline_parallel_size),
+                early=early_agent)
             builder = EngineBuilder(settings, engine_args, self.daemon_id, self.event_endpoint, ray)
         self.builder, self.ray = builder, builder.ray
+        if early_agent is not None and not self.builder.uses_ray:  # the mp executor after all: the early agent has nothing to do
+            self.ray.drop_early()
         self.metrics = SupervisorMetrics(self.builder.world_size, registry)
         self.notifier = SystemdNotifier()
         self.client = SupervisedEngineClient(self)

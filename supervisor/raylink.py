@@ -12,15 +12,52 @@ import threading
 import time
 from typing import Any, Callable
 
-from config.settings import RaySettings
+from config.settings import RaySettings, Settings
 from supervisor import logs
 
 log = logs.get_logger("vllm_supervisor.raylink")
 
 
+def early_agent(settings: Settings, argv: list[str]) -> Any:
+    """The daemon's first Ray agent, spawned before the daemon imports vLLM to parse its flags
+    (≈ 10 s): its import of the warm standby's worker class then runs beside that one instead
+    of on the first build's path, where the build waited for it (10 s with an operator's
+    cluster, 6 s with a private one, measured on 2 cores). Ray does not start here: an
+    invalid flag still exits 78 before it does (the caller kills this agent).
+
+    The flags are not parsed yet, so this guesses from argv and the TOML what ``connect``
+    will know: no agent for the mp executor or a help page, the class's import for a warm
+    standby on Ray's V2 executor. A wrong guess costs only the head start: ``connect``
+    kills an agent that imported the class for nothing, and one not spawned is spawned
+    then. None: no agent."""
+    preload = early_plan(settings, argv)
+    if preload is None:
+        return None
+    from executor.rayagent import RayAgent
+
+    return RayAgent(settings.ray).spawn(preload=preload)
+
+
+def early_plan(settings: Settings, argv: list[str]) -> bool | None:
+    """``early_agent``'s guess: None for no agent, else whether it imports the worker class."""
+    if any(a in ("-h", "--help") or a.startswith("--help=") for a in argv):
+        return None
+    backend = settings.engine.executor if "executor" in settings.engine.model_fields_set else None
+    for i, arg in enumerate(argv):  # vLLM's parser takes both spellings, and "=value"
+        name, eq, value = arg.partition("=")
+        if name.replace("_", "-") == "--distributed-executor-backend":
+            backend = value if eq else (argv[i + 1] if i + 1 < len(argv) else backend)
+    if backend == "mp":
+        return None
+    from executor.engine import uses_compiled_graph
+
+    return settings.supervisor.standby == "warm" and not uses_compiled_graph()
+
+
 class RayLink:
-    def __init__(self, settings: RaySettings, daemon_id: str, shape: Callable[[], tuple[int, int]]):
+    def __init__(self, settings: RaySettings, daemon_id: str, shape: Callable[[], tuple[int, int]], early: Any = None):
         self.settings = settings  # taken at start: a reload's ray settings apply at the next start
+        self._early = early  # the agent spawned before the daemon's vLLM import (early_agent), for the first connect
         self.daemon_id = daemon_id
         self._shape = shape  # (tensor, pipeline) parallel sizes: a replica's ranks
         self.cluster: Any = None  # executor.rayagent.RayAgent once connected
@@ -35,18 +72,31 @@ class RayLink:
     def connect(self) -> None:
         from executor.rayagent import RayAgent
 
-        agent = RayAgent(self.settings)
+        preload = self.preload_worker_class()
+        agent, self._early = self._early, None
+        if agent is not None and agent.preloading and not preload:  # it would hold vLLM for nothing
+            agent.kill()
+            agent = None
+        early = agent is not None
+        agent = agent or RayAgent(self.settings)
         try:
-            address = agent.start(preload=self.preload_worker_class())
+            address = agent.start(preload=preload)
         except BaseException:
             agent.kill()
             raise
         self.cluster, self.cluster_lost = agent, False
-        log.info("ray connected", address=address, local=agent.started_local, agent_pid=agent.pid)
+        log.info("ray connected", address=address, local=agent.started_local, agent_pid=agent.pid, agent_spawned_early=early)
         if self.predecessor_id:
             removed = self.cluster.call("remove_leftovers", self.predecessor_id)
             log.warning("removed a crashed predecessor's Ray leftovers", predecessor_id=self.predecessor_id, **removed)
             self.predecessor_id = ""
+
+    def drop_early(self) -> None:
+        """Kill the early agent (``early_agent``) if no connect took it: no Ray after all (the
+        mp executor), or a stop first."""
+        agent, self._early = self._early, None
+        if agent is not None:
+            agent.kill()
 
     def call(self, method: str, *args: Any) -> Any:
         return self.cluster.call(method, *args)
@@ -119,6 +169,7 @@ class RayLink:
             return []
 
     def release(self) -> None:
+        self.drop_early()  # a stop before the first connect
         if self.cluster is None or self.cluster_lost:
             return
         self.released = True  # from now on a GCS that stops listening is ours going (private cluster)

@@ -1,5 +1,7 @@
 """Config precedence (defaults < file < env < CLI) and every validation path."""
 
+import contextlib
+import io
 import subprocess
 import sys
 import textwrap
@@ -149,8 +151,10 @@ def test_cli_invalid_config_exits_78_before_ray_or_vllm(tmp_path):
 # --- `vllm-supervisor serve`: vLLM's parser + the supervision group -------------------------
 
 
-# The `serve` command lines below each import vLLM's parser in a process of their own (about 13 s
-# of CPU each): they start together, once, and each test reads its own.
+# The `serve` command lines below run the command line's own ``main`` in this process, where
+# vLLM's parser is imported already (a process each cost about 13 s of CPU, 38 s for the five on
+# 2 cores). Each refusal spawns the daemon's real early Ray agent and kills it
+# (tests/unit/test_early_agent.py checks that it is gone).
 SERVE_REFUSALS = [
     (["--tensor-parallel-size", "two"], 2, "invalid int value"),  # vLLM's own argparse answer
     (["--api-server-count", "2"], EXIT_CONFIG, "--api-server-count"),
@@ -161,12 +165,17 @@ SERVE_ARGVS = [("--help",), ("--help=all",), *(tuple(argv) for argv, _, _ in SER
 
 @pytest.fixture(scope="module")
 def serve_runs() -> dict[tuple[str, ...], subprocess.CompletedProcess]:
-    procs = {argv: subprocess.Popen([sys.executable, "-m", "supervisor", "serve", *argv], stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True) for argv in SERVE_ARGVS}
+    from supervisor.cli import main
+
     runs = {}
-    for argv, proc in procs.items():
-        out, err = proc.communicate(timeout=180)
-        runs[argv] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    for argv in SERVE_ARGVS:
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(["serve", *argv])
+            except SystemExit as exc:  # argparse: a help page, a value it refuses
+                code = exc.code
+        runs[argv] = subprocess.CompletedProcess(["vllm-supervisor", "serve", *argv], code, out.getvalue(), err.getvalue())
     return runs
 
 

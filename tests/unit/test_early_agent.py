@@ -1,0 +1,139 @@
+"""The daemon's first Ray agent is spawned before the command line imports vLLM
+(``supervisor.raylink.early_agent``), so that its import of the standby worker's class runs
+beside the daemon's own instead of on the first build's path. Ray starts only at ``connect``;
+a refused flag kills the agent before the exit; a wrong guess costs only the head start."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from config import load_settings
+from config.exitcodes import EXIT_CONFIG
+from config.serve_args import load_supervision
+from executor.rayagent import RayService
+from supervisor import raylink
+from supervisor.raylink import RayLink, early_plan
+
+
+@pytest.mark.parametrize("argv, plan", [
+    ([], True),  # the defaults: Ray's V2 executor, a warm standby
+    (["my-model", "--standby", "none"], False),  # an agent, without vLLM
+    (["--distributed-executor-backend", "mp"], None),  # no Ray at all
+    (["--distributed-executor-backend=mp"], None),
+    (["--distributed_executor_backend", "mp"], None),
+    (["--distributed-executor-backend", "ray"], True),
+    (["--help"], None),
+    (["-h"], None),
+    (["--help=all"], None),
+])
+def test_the_guess_from_argv(argv, plan):
+    assert early_plan(load_supervision(argv), argv) is plan
+
+
+def test_the_guess_reads_the_toml_executor_and_the_compiled_graph_switch(monkeypatch):
+    assert early_plan(load_settings(None, {"engine": {"executor": "mp"}}), []) is None
+    assert early_plan(load_settings(None, {"engine": {"executor": "mp"}}), ["--distributed-executor-backend", "ray"]) is True
+    monkeypatch.setenv("VLLM_USE_RAY_V2_EXECUTOR_BACKEND", "0")  # the compiled-graph executor: no standby workers
+    assert early_plan(load_settings(None, {}), []) is False
+
+
+class FakeAgent:
+    made: list["FakeAgent"] = []
+
+    def __init__(self, settings=None, preloading=False):
+        self.preloading, self.killed, self.started_with = preloading, False, None
+        self.started_local, self.pid = False, 4242
+        FakeAgent.made.append(self)
+
+    def start(self, preload=False):
+        self.started_with = preload
+        return "127.0.0.1:6379"
+
+    def kill(self):
+        self.killed = True
+        return []
+
+
+@pytest.fixture
+def fake_agents(monkeypatch):
+    import executor.rayagent
+
+    FakeAgent.made = []
+    monkeypatch.setattr(executor.rayagent, "RayAgent", FakeAgent)
+    return FakeAgent.made
+
+
+def link(early=None, preload=True) -> RayLink:
+    ray = RayLink(load_settings(None, {}).ray, daemon_id="vsup1", shape=lambda: (1, 1), early=early)
+    ray.preload_worker_class = lambda: preload
+    return ray
+
+
+@pytest.mark.parametrize("early_preloads, wanted", [(True, True), (False, True), (False, False)])
+def test_connect_takes_the_early_agent_when_it_fits(fake_agents, early_preloads, wanted):
+    early = FakeAgent(preloading=early_preloads)
+    ray = link(early, preload=wanted)
+    ray.connect()
+    assert ray.cluster is early and not early.killed and early.started_with is wanted
+    assert len(fake_agents) == 1  # no second agent
+    ray.connect()  # a reconnect (the cluster lost) spawns a new one: the early agent was for the first
+    assert ray.cluster is fake_agents[1]
+
+
+def test_an_early_agent_that_imported_vllm_for_nothing_is_killed_and_replaced(fake_agents):
+    early = FakeAgent(preloading=True)
+    ray = link(early, preload=False)  # e.g. the compiled-graph executor, known only after the parse
+    ray.connect()
+    assert early.killed and ray.cluster is fake_agents[1] and ray.cluster.started_with is False
+
+
+def test_a_stop_or_the_mp_executor_before_any_connect_kills_the_early_agent(fake_agents):
+    early = FakeAgent(preloading=True)
+    ray = link(early)
+    ray.release()  # a stop before the first connect
+    assert early.killed and ray.cluster is None
+    early = FakeAgent()
+    ray = link(early)
+    ray.drop_early()  # the daemon found the mp executor after the parse
+    assert early.killed
+    ray.connect()
+    assert ray.cluster is not early
+
+
+def test_start_driver_takes_over_the_daemons_environment_before_ray_starts(monkeypatch):
+    """A private cluster's raylet (and its workers) inherit the agent's environment: an agent
+    spawned before the daemon's vLLM import gets what that import set before ``ray.init``."""
+    monkeypatch.setenv("VSUP_TEST_ENV", "at the spawn")
+    seen: list[str] = []
+    service = object.__new__(RayService)  # no Ray: ``connect`` stands in
+    service.started_local = False
+    service.class_import = type("NoImport", (), {"start": lambda self: None})()
+    monkeypatch.setattr(service, "connect", lambda: seen.append(os.environ["VSUP_TEST_ENV"]) or "addr", raising=False)
+    assert service.start_driver(False, {"VSUP_TEST_ENV": "at the connect"}) == ("addr", False)
+    assert seen == ["at the connect"]
+
+
+def test_a_refused_flag_kills_the_real_early_agent_before_exit_78(monkeypatch):
+    """The real agent's process, spawned by the real command line and importing the worker
+    class: the refusal leaves no process of it (and Ray never started)."""
+    from supervisor import cli
+
+    spawned, pids = [], []
+    real = raylink.early_agent
+
+    def spawn(settings, argv):
+        spawned.append(real(settings, argv))
+        pids.append(spawned[-1] and spawned[-1].pid)
+        return spawned[-1]
+
+    monkeypatch.setattr(raylink, "early_agent", spawn)
+    assert cli.main(["serve", "--api-server-count", "2"]) == EXIT_CONFIG
+    (agent,), (pid,) = spawned, pids
+    assert agent is not None and agent.preloading and pid  # it was spawned, importing vLLM
+    assert not agent.alive() and not os.path.exists(f"/proc/{pid}")  # gone and reaped
+    assert not agent.address  # never connected: no Ray
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--help"])
+    assert spawned[1:] == [None]  # a help page spawns nothing
