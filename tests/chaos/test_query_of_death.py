@@ -60,12 +60,17 @@ def daemon(tmp_path_factory, ray_head):
         stop_leaves_nothing(d, ray_head)
 
 
-def innocents_beside(daemon, poisons, first: int = 0, real: bool = False) -> tuple[list, dict, list[httpx.Response]]:
-    """The innocents' fault-free reference, then the same innocents with ``poisons`` (stream
-    flags) sent one after the other once every innocent streams; (records, reference, poison
-    responses)."""
+@pytest.fixture(scope="module")
+def reference(daemon) -> dict:
+    """The innocents' fault-free run, once: the same requests on the same engine settings read
+    the same in every test here (greedy)."""
     records = specs(INNOCENTS, LONG, mixed=True)
-    reference = as_reference(asyncio.run(run_with_fault(daemon.base_url, INNOCENTS, LONG, records=records))[0])
+    return as_reference(asyncio.run(run_with_fault(daemon.base_url, INNOCENTS, LONG, records=records))[0])
+
+
+def innocents_beside(daemon, reference, poisons, first: int = 0, real: bool = False) -> tuple[list, dict, list[httpx.Response]]:
+    """The innocents (``reference``: their fault-free run) with ``poisons`` (stream flags) sent
+    one after the other once every innocent streams; (records, reference, poison responses)."""
     answers: list[httpx.Response] = []
 
     def send_poisons() -> None:
@@ -106,9 +111,9 @@ def assert_quarantined(r: httpx.Response, stream: bool) -> None:
         assert r.status_code == 422 and "request quarantined" in r.json()["error"]["message"], r.text
 
 
-def test_one_poison_costs_two_engines_and_no_innocent(daemon, ray_head):
+def test_one_poison_costs_two_engines_and_no_innocent(daemon, reference, ray_head):
     before = daemon.status()
-    got, reference, (answer,) = innocents_beside(daemon, [True])
+    got, reference, (answer,) = innocents_beside(daemon, reference, [True])
     summary = compare(got, reference)
     assert summary["failed"] == 0 and summary["mismatched"] == 0, (summary, sorted({r.error for r in got if r.error}))  # 16/16 exact
     assert_quarantined(answer, stream=True)
@@ -128,11 +133,11 @@ def test_one_poison_costs_two_engines_and_no_innocent(daemon, ray_head):
           f"failures, its resend refused; restarts in window {after['replicas'][0]['restarts_in_window']}")
 
 
-def test_three_poisons_in_the_restart_window_never_fail_the_daemon(daemon, ray_head):
+def test_three_poisons_in_the_restart_window_never_fail_the_daemon(daemon, reference, ray_head):
     """Six engine failures within the budget's window (5 restarts in 600 s): each poison's crash
     loop counts once, so the daemon stays up; without that it would go FAILED on the sixth."""
     before = daemon.status()
-    got, reference, answers = innocents_beside(daemon, [True, False, True], first=10)  # inputs not yet seen
+    got, reference, answers = innocents_beside(daemon, reference, [True, False, True], first=10)  # inputs not yet seen
     summary = compare(got, reference)
     assert summary["failed"] == 0 and summary["mismatched"] == 0, (summary, sorted({r.error for r in got if r.error}))
     for r, stream in zip(answers, [True, False, True]):
@@ -143,12 +148,12 @@ def test_three_poisons_in_the_restart_window_never_fail_the_daemon(daemon, ray_h
           f"{after['replicas'][0]['restarts_in_window']}, {INNOCENTS}/{INNOCENTS} innocents exact")
 
 
-def test_a_real_input_that_crashes_vllms_cpu_engine_is_quarantined(daemon, ray_head):
+def test_a_real_input_that_crashes_vllms_cpu_engine_is_quarantined(daemon, reference, ray_head):
     """``REAL_POISON``: no test hook, an input that crashes vLLM 0.32's CPU engine core by itself
     (a seeded request prefilled in chunks). Quarantined after two engine failures, the innocents
     beside it exact, the resend refused."""
     before = daemon.status()
-    got, reference, (answer,) = innocents_beside(daemon, [False], first=30, real=True)
+    got, reference, (answer,) = innocents_beside(daemon, reference, [False], first=30, real=True)
     summary = compare(got, reference)
     assert summary["failed"] == 0 and summary["mismatched"] == 0, (summary, sorted({r.error for r in got if r.error}))
     assert_quarantined(answer, stream=False)
