@@ -21,9 +21,11 @@ last handle, and handles cannot cross processes. The daemon names actors by id.
 
 The agent imports no vLLM (it would hold ≈ 600 MiB for nothing): a kill by name builds a
 handle without the actor's class (``executor.cluster.kill_named``). Only the agent of a daemon
-with a warm standby on Ray's V2 executor imports the worker class, on a thread from Ray's
-start on (``start_driver(preload=True)``, ``WorkerClassImport``): its first creation is the
-first build's, on the cold start's path. An import that fails is reported in the build's log
+with a warm standby on Ray's V2 executor imports the worker class, on a thread of its own
+(``WorkerClassImport``): its first creation is the first build's, on the cold start's path.
+The daemon's first agent starts that import when it is spawned, before the daemon's own
+import of vLLM and before Ray (``RayAgent.spawn(preload=True)``, ``supervisor.raylink.early_agent``);
+an agent spawned later (after the cluster was lost) starts it with Ray (``start_driver(preload=True)``). An import that fails is reported in the build's log
 line and costs only the head start. vLLM resolves its platform lazily and not thread-safely
 (``vllm.platforms.__getattr__``: check, build, set): two threads that import vLLM at once can
 each build one, and the Ray device key set on one is missing on the other. So nothing else
@@ -66,17 +68,25 @@ class RayService(RayCluster):
         ahead of the daemon's own vLLM import: ``RayAgent.spawn``)."""
         self.class_import.start()
 
-    def start_driver(self, preload: bool = False, environ: dict[str, str] | None = None) -> tuple[str, bool]:
+    def start_driver(self, preload: bool = False, changed: dict[str, str] | None = None,
+                     removed: list[str] | None = None) -> tuple[str, bool]:
         """``connect`` on a thread that lives as long as the agent: Ray starts a private
         cluster's GCS and raylet with a parent-death signal, which fires when the *thread* that
         started them ends (a connection's server thread ends with its connection). Returns
         the GCS address and whether a private cluster was started. ``preload``: import the
-        standby worker's class (and vLLM) meanwhile, on a thread of its own. ``environ``: the
-        daemon's environment now, taken over first: an agent spawned ahead of the daemon's
-        vLLM import lacks what that import set (a private cluster's raylet, and so its
-        workers, inherit this process's environment)."""
-        if environ:
-            os.environ.update(environ)
+        standby worker's class (and vLLM) meanwhile, on a thread of its own.
+
+        ``changed``/``removed``: how the daemon's environment moved since it spawned this
+        agent (``RayAgent.spawn`` ran before the daemon imported vLLM and made its config),
+        taken over before Ray starts: a private cluster's raylet, and so its workers, inherit
+        this process's environment, as they did when the agent was spawned at the connect.
+        Only values that differ are written (the worker class's import may be reading the
+        environment on its thread; it sets vLLM's own variables to the same values)."""
+        for key, value in (changed or {}).items():
+            if os.environ.get(key) != value:
+                os.environ[key] = value
+        for key in removed or ():
+            os.environ.pop(key, None)
         if preload:
             self.class_import.start()
         done: dict[str, Any] = {}
@@ -227,6 +237,7 @@ class RayAgent:
         self.address = ""
         self.started_local = False
         self.preloading = False  # the worker class's import was asked for at the spawn
+        self._spawn_env: dict[str, str] = {}  # this process's environment when the agent was spawned
         self._manager: _Manager | None = None
         self._service: Any = None
 
@@ -243,14 +254,25 @@ class RayAgent:
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # for the engine cores too
         if not self.settings.address:
             private_token()  # in this process's environment: the agent and the engine cores inherit it
+        self._spawn_env = dict(os.environ)
         manager = _Manager(ctx=multiprocessing.get_context("spawn"), shutdown_timeout=30.0)
         manager.start(initializer=_agent_init, initargs=(os.getpid(),))
         self._manager = manager
-        self._service = manager.RayService(self.settings.model_dump())
-        if preload:
-            self.call("import_worker_class")
-            self.preloading = True
+        try:
+            self._service = manager.RayService(self.settings.model_dump())
+            if preload:
+                self.call("import_worker_class")
+                self.preloading = True
+        except BaseException:  # an agent half made is not left behind
+            self.kill()
+            raise
         return self
+
+    def env_changes(self) -> tuple[dict[str, str], list[str]]:
+        """What this process's environment gained, changed and lost since the spawn."""
+        now = dict(os.environ)
+        return ({k: v for k, v in now.items() if self._spawn_env.get(k) != v},
+                [k for k in self._spawn_env if k not in now])
 
     def start(self, preload: bool = False) -> str:
         """Connect the agent to Ray (spawning it first unless ``spawn`` did); returns the GCS
@@ -258,7 +280,7 @@ class RayAgent:
         cluster. ``preload``: the agent imports the standby worker's class meanwhile."""
         if self._manager is None:
             self.spawn()
-        self.address, self.started_local = self.call("start_driver", preload, dict(os.environ))
+        self.address, self.started_local = self.call("start_driver", preload, *self.env_changes())
         os.environ["RAY_ADDRESS"] = self.address
         return self.address
 

@@ -213,19 +213,26 @@ async def _serve(settings: Settings, engine_args: Any, reload: Any = None, early
     from supervisor.control import socket_answers
 
     control = socket_path(settings.supervisor.control_socket, engine_args.port, engine_args.uds or "")
-    sup = Supervisor(settings, engine_args, reload_settings=reload, control_socket=control, early_agent=early_agent)
-    front = Front(sup, engine_args)
-    try:
-        front.bind()
-    except OSError as exc:
-        sup.ray.drop_early()
-        print(f"error: cannot listen on {engine_args.uds or f'{engine_args.host}:{engine_args.port}'}: {exc}", file=sys.stderr)
-        return EXIT_UNAVAILABLE
-    if socket_answers(control):
-        sup.ray.drop_early()
-        print(f"error: another daemon answers on the control socket {control} (set --control-socket)", file=sys.stderr)
-        return EXIT_UNAVAILABLE
-    record = _crash_only_start(settings, engine_args, sup, control)
+    sup, serving = None, False
+    try:  # until the daemon runs, any way out kills the early Ray agent (the first connect takes it)
+        sup = Supervisor(settings, engine_args, reload_settings=reload, control_socket=control, early_agent=early_agent)
+        front = Front(sup, engine_args)
+        try:
+            front.bind()
+        except OSError as exc:
+            print(f"error: cannot listen on {engine_args.uds or f'{engine_args.host}:{engine_args.port}'}: {exc}", file=sys.stderr)
+            return EXIT_UNAVAILABLE
+        if socket_answers(control):
+            print(f"error: another daemon answers on the control socket {control} (set --control-socket)", file=sys.stderr)
+            return EXIT_UNAVAILABLE
+        record = _crash_only_start(settings, engine_args, sup, control)
+        serving = True
+    finally:
+        if not serving:
+            if sup is not None:
+                sup.ray.drop_early()
+            elif early_agent is not None:
+                early_agent.kill()
     http = asyncio.create_task(front.serve())
     try:
         code = await sup.run()

@@ -35,7 +35,11 @@ def early_agent(settings: Settings, argv: list[str]) -> Any:
         return None
     from executor.rayagent import RayAgent
 
-    return RayAgent(settings.ray).spawn(preload=preload)
+    try:
+        return RayAgent(settings.ray).spawn(preload=preload)
+    except Exception as exc:  # only a head start: connect spawns one as before
+        log.warning("could not start the Ray agent ahead; it starts at the connect", error=f"{type(exc).__name__}: {exc}"[:300])
+        return None
 
 
 def early_plan(settings: Settings, argv: list[str]) -> bool | None:
@@ -74,7 +78,10 @@ class RayLink:
 
         preload = self.preload_worker_class()
         agent, self._early = self._early, None
-        if agent is not None and agent.preloading and not preload:  # it would hold vLLM for nothing
+        # not one that would hold vLLM for nothing, nor one that died waiting (a crash in its import)
+        if agent is not None and ((agent.preloading and not preload) or not agent.alive()):
+            log.info("the Ray agent spawned ahead is not used", alive=agent.alive(), imports_the_worker_class=agent.preloading,
+                     worker_class_wanted=preload)
             agent.kill()
             agent = None
         early = agent is not None

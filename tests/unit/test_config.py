@@ -11,6 +11,7 @@ import pytest
 
 from config import EXIT_CONFIG, ConfigError, load_settings, parse_assignment
 from config.engine_args import vllm_engine_arg_names
+from tests.unit.cli_inprocess import cli_in_process
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -170,7 +171,7 @@ def serve_runs() -> dict[tuple[str, ...], subprocess.CompletedProcess]:
     runs = {}
     for argv in SERVE_ARGVS:
         out, err = io.StringIO(), io.StringIO()
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        with cli_in_process(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
                 code = main(["serve", *argv])
             except SystemExit as exc:  # argparse: a help page, a value it refuses

@@ -15,6 +15,7 @@ from config.serve_args import load_supervision
 from executor.rayagent import RayService
 from supervisor import raylink
 from supervisor.raylink import RayLink, early_plan
+from tests.unit.cli_inprocess import cli_in_process
 
 
 @pytest.mark.parametrize("argv, plan", [
@@ -24,6 +25,7 @@ from supervisor.raylink import RayLink, early_plan
     (["--distributed-executor-backend=mp"], None),
     (["--distributed_executor_backend", "mp"], None),
     (["--distributed-executor-backend", "ray"], True),
+    (["--distributed-executor-backend", "mp", "--distributed-executor-backend", "ray"], True),  # the last, as argparse
     (["--help"], None),
     (["-h"], None),
     (["--help=all"], None),
@@ -42,10 +44,13 @@ def test_the_guess_reads_the_toml_executor_and_the_compiled_graph_switch(monkeyp
 class FakeAgent:
     made: list["FakeAgent"] = []
 
-    def __init__(self, settings=None, preloading=False):
-        self.preloading, self.killed, self.started_with = preloading, False, None
+    def __init__(self, settings=None, preloading=False, dead=False):
+        self.preloading, self.killed, self.started_with, self.dead = preloading, False, None, dead
         self.started_local, self.pid = False, 4242
         FakeAgent.made.append(self)
+
+    def alive(self):
+        return not (self.dead or self.killed)
 
     def start(self, preload=False):
         self.started_with = preload
@@ -89,6 +94,16 @@ def test_an_early_agent_that_imported_vllm_for_nothing_is_killed_and_replaced(fa
     assert early.killed and ray.cluster is fake_agents[1] and ray.cluster.started_with is False
 
 
+def test_an_early_agent_that_died_before_the_connect_is_replaced_not_fatal(fake_agents):
+    """It lives ≈ 10 s before the connect (more while a model downloads): a crash in its import
+    must not fail the daemon's first start."""
+    early = FakeAgent(preloading=True, dead=True)
+    ray = link(early, preload=True)
+    ray.connect()
+    assert early.killed and early.started_with is None  # reaped, never asked to start Ray
+    assert ray.cluster is fake_agents[1] and ray.cluster.started_with is True
+
+
 def test_a_stop_or_the_mp_executor_before_any_connect_kills_the_early_agent(fake_agents):
     early = FakeAgent(preloading=True)
     ray = link(early)
@@ -102,17 +117,57 @@ def test_a_stop_or_the_mp_executor_before_any_connect_kills_the_early_agent(fake
     assert ray.cluster is not early
 
 
-def test_start_driver_takes_over_the_daemons_environment_before_ray_starts(monkeypatch):
+def test_start_driver_takes_over_how_the_daemons_environment_moved_before_ray_starts(monkeypatch):
     """A private cluster's raylet (and its workers) inherit the agent's environment: an agent
-    spawned before the daemon's vLLM import gets what that import set before ``ray.init``."""
-    monkeypatch.setenv("VSUP_TEST_ENV", "at the spawn")
-    seen: list[str] = []
+    spawned before the daemon's vLLM import gets what changed since, before ``ray.init``."""
+    from executor.rayagent import RayAgent
+
+    monkeypatch.setenv("VSUP_TEST_CHANGED", "at the spawn")
+    monkeypatch.setenv("VSUP_TEST_REMOVED", "at the spawn")
+    monkeypatch.setenv("VSUP_TEST_SAME", "always")
+    agent = RayAgent(load_settings(None, {}).ray)
+    agent._spawn_env = dict(os.environ)
+    monkeypatch.setenv("VSUP_TEST_CHANGED", "at the connect")
+    monkeypatch.delenv("VSUP_TEST_REMOVED")
+    monkeypatch.setenv("VSUP_TEST_ADDED", "at the connect")
+    changed, removed = agent.env_changes()
+    assert changed == {"VSUP_TEST_CHANGED": "at the connect", "VSUP_TEST_ADDED": "at the connect"}
+    assert removed == ["VSUP_TEST_REMOVED"]
+
+    # the agent's side, in its own (here: this) process, as it was at the spawn
+    monkeypatch.setenv("VSUP_TEST_CHANGED", "at the spawn")
+    monkeypatch.setenv("VSUP_TEST_REMOVED", "at the spawn")
+    monkeypatch.delenv("VSUP_TEST_ADDED")
+    seen: list[tuple] = []
     service = object.__new__(RayService)  # no Ray: ``connect`` stands in
     service.started_local = False
     service.class_import = type("NoImport", (), {"start": lambda self: None})()
-    monkeypatch.setattr(service, "connect", lambda: seen.append(os.environ["VSUP_TEST_ENV"]) or "addr", raising=False)
-    assert service.start_driver(False, {"VSUP_TEST_ENV": "at the connect"}) == ("addr", False)
-    assert seen == ["at the connect"]
+    monkeypatch.setattr(service, "connect", lambda: seen.append(tuple(
+        os.environ.get(k) for k in ("VSUP_TEST_CHANGED", "VSUP_TEST_REMOVED", "VSUP_TEST_ADDED", "VSUP_TEST_SAME"))) or "addr",
+        raising=False)
+    assert service.start_driver(False, changed, removed) == ("addr", False)
+    assert seen == [("at the connect", None, "at the connect", "always")]
+    monkeypatch.setenv("VSUP_TEST_ADDED", "x")  # so that monkeypatch's undo removes what start_driver added
+
+
+def test_an_agent_half_spawned_is_killed(monkeypatch):
+    """A failure after the process started (here: the class import's call) leaves no process;
+    ``early_agent`` then says so and returns None (connect spawns one as before)."""
+    from executor.rayagent import RayAgent
+
+    pids: list[int] = []
+    real_call = RayAgent.call
+
+    def failing_call(self, method, *args):
+        pids.append(self.pid)
+        if method == "import_worker_class":
+            raise RuntimeError("injected")
+        return real_call(self, method, *args)
+
+    monkeypatch.setattr(RayAgent, "call", failing_call)
+    with cli_in_process():  # the spawn exports Ray's variables, as in the daemon
+        assert raylink.early_agent(load_settings(None, {}), []) is None
+    assert pids and pids[0] and not os.path.exists(f"/proc/{pids[0]}")
 
 
 def test_a_refused_flag_kills_the_real_early_agent_before_exit_78(monkeypatch):
@@ -123,17 +178,24 @@ def test_a_refused_flag_kills_the_real_early_agent_before_exit_78(monkeypatch):
     spawned, pids = [], []
     real = raylink.early_agent
 
+    trees: list[set] = []
+
     def spawn(settings, argv):
-        spawned.append(real(settings, argv))
-        pids.append(spawned[-1] and spawned[-1].pid)
-        return spawned[-1]
+        agent = real(settings, argv)
+        spawned.append(agent)
+        pids.append(agent and agent.pid)
+        if agent is not None:
+            kill = agent.kill
+            agent.kill = lambda: trees.append({pid for pid, _ in agent._tree()}) or kill()
+        return agent
 
     monkeypatch.setattr(raylink, "early_agent", spawn)
-    assert cli.main(["serve", "--api-server-count", "2"]) == EXIT_CONFIG
+    with cli_in_process():
+        assert cli.main(["serve", "--api-server-count", "2"]) == EXIT_CONFIG
     (agent,), (pid,) = spawned, pids
     assert agent is not None and agent.preloading and pid  # it was spawned, importing vLLM
-    assert not agent.alive() and not os.path.exists(f"/proc/{pid}")  # gone and reaped
-    assert not agent.address  # never connected: no Ray
-    with pytest.raises(SystemExit):
+    assert trees == [{pid}]  # killed once, and nothing under it: no GCS, no raylet (Ray never started)
+    assert not os.path.exists(f"/proc/{pid}")  # gone and reaped
+    with cli_in_process(), pytest.raises(SystemExit):
         cli.main(["serve", "--help"])
     assert spawned[1:] == [None]  # a help page spawns nothing
