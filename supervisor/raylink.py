@@ -27,9 +27,11 @@ def early_agent(settings: Settings, argv: list[str]) -> Any:
 
     The flags are not parsed yet, so this guesses from argv and the TOML what ``connect``
     will know: no agent for the mp executor or a help page, the class's import for a warm
-    standby on Ray's V2 executor. A wrong guess costs only the head start: ``connect``
-    kills an agent that imported the class for nothing, and one not spawned is spawned
-    then. None: no agent."""
+    standby on Ray's V2 executor. A wrong guess is corrected later: ``connect`` spawns the
+    agent not spawned, and kills and replaces one that imports the class for nothing (or
+    died); the daemon kills one it does not need (mp after all, given where argv does not
+    show it: a ``--config`` YAML), which then cost an import beside the daemon's. A failed
+    spawn is logged and leaves the agent to the connect. None: no agent."""
     preload = early_plan(settings, argv)
     if preload is None:
         return None

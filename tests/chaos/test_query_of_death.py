@@ -60,12 +60,17 @@ def daemon(tmp_path_factory, ray_head):
         stop_leaves_nothing(d, ray_head)
 
 
-@pytest.fixture(scope="module")
-def reference(daemon) -> dict:
-    """The innocents' fault-free run, once: the same requests on the same engine settings read
-    the same in every test here (greedy)."""
+def fault_free(daemon) -> dict:
+    """The innocents' fault-free run on ``daemon``: the reference ``innocents_beside`` compares with."""
     records = specs(INNOCENTS, LONG, mixed=True)
     return as_reference(asyncio.run(run_with_fault(daemon.base_url, INNOCENTS, LONG, records=records))[0])
+
+
+@pytest.fixture(scope="module")
+def reference(daemon) -> dict:
+    """Run once: the same requests on the same engine settings read the same in every test here
+    (greedy)."""
+    return fault_free(daemon)
 
 
 def innocents_beside(daemon, reference, poisons, first: int = 0, real: bool = False) -> tuple[list, dict, list[httpx.Response]]:

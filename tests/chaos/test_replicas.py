@@ -269,7 +269,7 @@ def test_a_poison_takes_down_one_replica_only(two, ray_head):
     fails; its innocents move to the other at once, while the poison, on probation, waits for
     that same replica's next generation, which it crashes too: quarantined after two failures
     of one replica, the other never touched, every innocent exact."""
-    from tests.chaos.test_query_of_death import INNOCENTS, assert_quarantined, innocents_beside, poison
+    from tests.chaos.test_query_of_death import INNOCENTS, assert_quarantined, fault_free, innocents_beside, poison
 
     daemon = two[0]
     before = {r["replica"]: r["generation"] for r in daemon.wait_replicas_serving()}
@@ -278,7 +278,7 @@ def test_a_poison_takes_down_one_replica_only(two, ray_head):
     def new_recoveries() -> list:
         return [r for r in daemon.status()["recoveries"] if (r["replica"], r["from_generation"]) not in seen]
 
-    got, reference, (answer,) = innocents_beside(daemon, [True], first=20)
+    got, reference, (answer,) = innocents_beside(daemon, fault_free(daemon), [True], first=20)
     summary = compare(got, reference)
     assert summary["failed"] == 0 and summary["mismatched"] == 0, (summary, sorted({r.error for r in got if r.error}))
     assert_quarantined(answer, stream=True)
