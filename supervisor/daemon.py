@@ -89,7 +89,8 @@ class Supervisor:
                                                             reserve_kv=cfg.standby_kv == "reserved")
         self.standby = Standby(standby_workers, self.metrics, enabled=cfg.standby == "warm"
                                and not getattr(self.builder, "compiled_graph", False))
-        # its workers' first creation is the first build's: the agent imports their class beside Ray's start
+        # its workers' first creation is the first build's: the agent imports their class ahead (the first
+        # agent from its spawn, before the daemon's vLLM import; a later one beside Ray's start)
         self.ray.preload_worker_class = lambda: self.standby.creates_workers
         # where each new request goes between replicas (with one there is no choice to make)
         self.router = PrefixRouter() if cfg.routing == "prefix" and cfg.replicas > 1 else None
