@@ -48,7 +48,7 @@ def parse_serve(argv: list[str], settings: Settings | None = None) -> tuple[Sett
     """(supervision settings, vLLM's serve Namespace). Raises ``ConfigError`` for a bad
     supervision value (before vLLM is imported) and ``ServeArgsError`` for flags vLLM rejects.
     ``settings``: ``load_supervision(argv)``'s, when the caller has them already."""
-    settings = settings or load_supervision(argv)
+    settings = load_supervision(argv) if settings is None else settings
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -213,7 +213,7 @@ async def _serve(settings: Settings, engine_args: Any, reload: Any = None, early
     from supervisor.control import socket_answers
 
     control = socket_path(settings.supervisor.control_socket, engine_args.port, engine_args.uds or "")
-    sup, serving = None, False
+    serving = False
     try:  # until the daemon runs, any way out kills the early Ray agent (the first connect takes it)
         sup = Supervisor(settings, engine_args, reload_settings=reload, control_socket=control, early_agent=early_agent)
         front = Front(sup, engine_args)
@@ -228,11 +228,8 @@ async def _serve(settings: Settings, engine_args: Any, reload: Any = None, early
         record = _crash_only_start(settings, engine_args, sup, control)
         serving = True
     finally:
-        if not serving:
-            if sup is not None:
-                sup.ray.drop_early()
-            elif early_agent is not None:
-                early_agent.kill()
+        if not serving:  # the agent is still unconnected (RayLink holds it, or dropped it): a kill is idempotent
+            _kill(early_agent)
     http = asyncio.create_task(front.serve())
     try:
         code = await sup.run()
