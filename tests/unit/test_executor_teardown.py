@@ -1,0 +1,63 @@
+"""A planned teardown does not wait for vLLM's worker monitor to poll out.
+
+vLLM's ``RayExecutorV2.shutdown`` joins its monitor thread before it kills the workers, and
+the monitor sits in ``ray.wait(run_refs, timeout=5.0)``: without the change every stop and
+every reload's rebuild waited up to 5 s there. ``SupervisedRayExecutor`` kills the workers
+first, so their ``run()`` refs resolve and the monitor, which sees ``shutting_down``,
+returns at once, without the failure callback a worker death would run."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import executor.ray_v2 as ray_v2
+from executor.ray_v2 import SupervisedRayExecutor
+
+POLL_S = 5.0  # vLLM's monitor poll
+
+
+def executor_with_a_monitor(monkeypatch) -> tuple[SupervisedRayExecutor, dict]:
+    """An executor (no engine, no Ray) whose monitor thread waits as vLLM's does: until a
+    worker's ref resolves (its actor killed) or the poll runs out."""
+    seen: dict = {"killed": [], "woken_by": None}
+    resolved = threading.Event()
+
+    def kill(actor):
+        seen["killed"].append(actor)
+        resolved.set()
+
+    monkeypatch.setattr(ray_v2.ray, "kill", kill)
+    ex = SupervisedRayExecutor.__new__(SupervisedRayExecutor)
+    ex.shutting_down = False
+    ex.ray_worker_handles = [SimpleNamespace(actor=f"actor-{rank}", rank=rank) for rank in range(2)]
+
+    def monitor():  # vLLM's loop: wait, then stop quietly once shutting_down is set
+        seen["woken_by"] = "a worker's ref" if resolved.wait(POLL_S) else "the poll's end"
+        assert ex.shutting_down  # never a failure here: no callback
+
+    ex._monitor_thread = threading.Thread(target=monitor, name="RayWorkerMonitor", daemon=True)
+    ex._monitor_thread.start()
+    return ex, seen
+
+
+def test_the_workers_are_killed_before_the_monitor_is_joined(monkeypatch):
+    ex, seen = executor_with_a_monitor(monkeypatch)
+    ex.shutting_down = True  # as vLLM's shutdown sets it before the join
+    ex._join_monitor_thread()
+    assert not ex._monitor_thread.is_alive()
+    assert seen == {"killed": ["actor-0", "actor-1"], "woken_by": "a worker's ref"}
+
+
+def test_the_monitors_own_shutdown_kills_nothing_before_its_join(monkeypatch):
+    """A worker died: the monitor thread itself calls shutdown, which vLLM does not join; nor
+    does it kill early (vLLM's shutdown kills the survivors after the dead are recorded)."""
+    ex, seen = executor_with_a_monitor(monkeypatch)
+    ex.shutting_down = True
+    returned = []
+    own = threading.Thread(target=lambda: returned.append(ex._join_monitor_thread()), name="RayWorkerMonitor")
+    ex._monitor_thread, first = own, ex._monitor_thread
+    own.start()
+    own.join(POLL_S)
+    assert returned == [None] and seen["killed"] == []
+    first.join(POLL_S + 1)
