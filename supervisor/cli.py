@@ -153,6 +153,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     agent = None
     try:
         settings = load_supervision(rest)
+        from supervisor import logs
+
+        # the log format before the first line (early_agent may warn); run() sets it again from the parsed flags
+        logs.configure(settings.supervisor.log_level, settings.supervisor.log_format)
         # the first Ray agent's process (no Ray yet), so that its import of vLLM runs beside ours
         from supervisor.raylink import early_agent
 
@@ -206,15 +210,13 @@ def run(settings: Settings, engine_args: Any, reload: Any = None, early_agent: A
 
 
 async def _serve(settings: Settings, engine_args: Any, reload: Any = None, early_agent: Any = None) -> int:
-    from supervisor.control import socket_path
-    from supervisor.daemon import Supervisor
-    from supervisor.http import Front
-
-    from supervisor.control import socket_answers
-
-    control = socket_path(settings.supervisor.control_socket, engine_args.port, engine_args.uds or "")
     serving = False
     try:  # until the daemon runs, any way out kills the early Ray agent (the first connect takes it)
+        from supervisor.control import socket_answers, socket_path
+        from supervisor.daemon import Supervisor
+        from supervisor.http import Front
+
+        control = socket_path(settings.supervisor.control_socket, engine_args.port, engine_args.uds or "")
         sup = Supervisor(settings, engine_args, reload_settings=reload, control_socket=control, early_agent=early_agent)
         front = Front(sup, engine_args)
         try:

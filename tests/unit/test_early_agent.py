@@ -199,3 +199,34 @@ def test_a_refused_flag_kills_the_real_early_agent_before_exit_78(monkeypatch):
     with cli_in_process(), pytest.raises(SystemExit):
         cli.main(["serve", "--help"])
     assert spawned[1:] == [None]  # a help page spawns nothing
+
+
+def test_a_failed_early_spawn_warns_in_the_daemons_log_format(monkeypatch, capsys):
+    """The warning comes before vLLM's parse and before ``run()``: it is still one JSON line on
+    stderr (stderr is not a terminal here), as every other line of the daemon, not structlog's
+    console default on stdout."""
+    import json
+
+    import structlog
+
+    from executor.rayagent import RayAgent
+    from supervisor import cli
+
+    def failing_spawn(self, preload):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(RayAgent, "spawn", failing_spawn)
+    # a logger not yet used: structlog caches a logger's configuration at its first line, and
+    # other tests of this process may have logged through the module's own before
+    from supervisor import logs
+
+    monkeypatch.setattr(raylink, "log", logs.get_logger("vllm_supervisor.raylink"))
+    try:
+        with cli_in_process():
+            assert cli.main(["serve", "--api-server-count", "2"]) == EXIT_CONFIG
+        out, err = capsys.readouterr()
+    finally:
+        structlog.reset_defaults()  # the captured stream goes with this test
+    lines = [json.loads(line) for line in err.splitlines() if "could not start the Ray agent ahead" in line]
+    assert len(lines) == 1 and lines[0]["level"] == "warning" and "injected" in lines[0]["error"], err
+    assert "could not start" not in out
