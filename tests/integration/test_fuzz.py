@@ -42,7 +42,10 @@ STREAMS, TOKENS = 4, 64
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
-    with Daemon(tmp_path_factory.mktemp("fuzz"), {"server": {"max_body_bytes": 65536}}).start() as d:
+    # No warm standby: what is fuzzed is the request path (the front, vLLM's app, the engine),
+    # which the standby is not on; its build would only compete with the requests for the cores.
+    config = {"server": {"max_body_bytes": 65536}, "supervisor": {"standby": "none"}}
+    with Daemon(tmp_path_factory.mktemp("fuzz"), config).start() as d:
         d.wait_ready()
         ref = as_reference(asyncio.run(run_with_fault(d.base_url, STREAMS, TOKENS))[0])
         d.before_hostile = d.status()  # the generation and restarts the hostile requests must not change
