@@ -255,7 +255,9 @@ class RayAgent:
         if not self.settings.address:
             private_token()  # in this process's environment: the agent and the engine cores inherit it
         self._spawn_env = dict(os.environ)
-        manager = _Manager(ctx=multiprocessing.get_context("spawn"))  # joined only once killed (stop, kill)
+        # shutdown_timeout: the join multiprocessing gives a live agent at this interpreter's exit
+        # (stop and kill end it first)
+        manager = _Manager(ctx=multiprocessing.get_context("spawn"), shutdown_timeout=30.0)
         manager.start(initializer=_agent_init, initargs=(os.getpid(),))
         self._manager = manager
         try:

@@ -207,8 +207,6 @@ def test_a_failed_early_spawn_warns_in_the_daemons_log_format(monkeypatch, capsy
     console default on stdout."""
     import json
 
-    import structlog
-
     from executor.rayagent import RayAgent
     from supervisor import cli
 
@@ -221,12 +219,9 @@ def test_a_failed_early_spawn_warns_in_the_daemons_log_format(monkeypatch, capsy
     from supervisor import logs
 
     monkeypatch.setattr(raylink, "log", logs.get_logger("vllm_supervisor.raylink"))
-    try:
-        with cli_in_process():
-            assert cli.main(["serve", "--api-server-count", "2"]) == EXIT_CONFIG
-        out, err = capsys.readouterr()
-    finally:
-        structlog.reset_defaults()  # the captured stream goes with this test
+    with cli_in_process():  # which puts structlog's configuration back after
+        assert cli.main(["serve", "--api-server-count", "2"]) == EXIT_CONFIG
+    out, err = capsys.readouterr()
     lines = [json.loads(line) for line in err.splitlines() if "could not start the Ray agent ahead" in line]
     assert len(lines) == 1 and lines[0]["level"] == "warning" and "injected" in lines[0]["error"], err
     assert "could not start" not in out

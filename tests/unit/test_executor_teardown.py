@@ -17,10 +17,10 @@ from executor.ray_v2 import SupervisedRayExecutor
 POLL_S = 5.0  # vLLM's monitor poll
 
 
-def executor_with_a_monitor(monkeypatch) -> tuple[SupervisedRayExecutor, dict]:
+def executor_with_a_monitor(monkeypatch) -> tuple[SupervisedRayExecutor, dict, threading.Event]:
     """An executor (no engine, no Ray) whose monitor thread waits as vLLM's does: until a
     worker's ref resolves (its actor killed) or the poll runs out."""
-    seen: dict = {"killed": [], "woken_by": None}
+    seen: dict = {"killed": [], "woken_by": None, "stopping_when_woken": None}
     resolved = threading.Event()
 
     def kill(actor):
@@ -34,25 +34,47 @@ def executor_with_a_monitor(monkeypatch) -> tuple[SupervisedRayExecutor, dict]:
 
     def monitor():  # vLLM's loop: wait, then stop quietly once shutting_down is set
         seen["woken_by"] = "a worker's ref" if resolved.wait(POLL_S) else "the poll's end"
-        assert ex.shutting_down  # never a failure here: no callback
+        seen["stopping_when_woken"] = ex.shutting_down  # so vLLM's monitor returns: no failure callback
 
     ex._monitor_thread = threading.Thread(target=monitor, name="RayWorkerMonitor", daemon=True)
     ex._monitor_thread.start()
-    return ex, seen
+    return ex, seen, resolved
 
 
-def test_the_workers_are_killed_before_the_monitor_is_joined(monkeypatch):
-    ex, seen = executor_with_a_monitor(monkeypatch)
+def test_the_workers_are_killed_before_vllms_monitor_is_joined(monkeypatch):
+    """vLLM's own monitor loop (``start_worker_monitor``), with ``ray.wait`` waiting as Ray's
+    does: until a worker's ref resolves (its actor killed) or the 5 s poll runs out."""
+    seen: dict = {"killed": [], "woken_by": [], "callbacks": 0}
+    resolved = threading.Event()
+
+    def kill(actor):
+        seen["killed"].append(actor)
+        resolved.set()
+
+    def wait(refs, num_returns=1, timeout=None):
+        woken = resolved.wait(timeout)
+        seen["woken_by"].append("a worker's ref" if woken else "the poll's end")
+        return (refs[:1], refs[1:]) if woken else ([], refs)
+
+    monkeypatch.setattr(ray_v2.ray, "kill", kill)
+    monkeypatch.setattr(ray_v2.ray, "wait", wait)
+    monkeypatch.setattr(ray_v2.ray, "is_initialized", lambda: True)
+    ex = SupervisedRayExecutor.__new__(SupervisedRayExecutor)
+    ex.shutting_down = False
+    ex.failure_callback = lambda: seen.__setitem__("callbacks", seen["callbacks"] + 1)
+    ex.ray_worker_handles = [SimpleNamespace(actor=f"actor-{r}", rank=r, run_ref=f"run-{r}") for r in range(2)]
+    ex.start_worker_monitor()
     ex.shutting_down = True  # as vLLM's shutdown sets it before the join
     ex._join_monitor_thread()
     assert not ex._monitor_thread.is_alive()
-    assert seen == {"killed": ["actor-0", "actor-1"], "woken_by": "a worker's ref"}
+    assert seen == {"killed": ["actor-0", "actor-1"], "woken_by": ["a worker's ref"], "callbacks": 0}
+    assert not getattr(ex, "is_failed", False)
 
 
 def test_the_monitors_own_shutdown_kills_nothing_before_its_join(monkeypatch):
     """A worker died: the monitor thread itself calls shutdown, which vLLM does not join; nor
     does it kill early (vLLM's shutdown kills the survivors after the dead are recorded)."""
-    ex, seen = executor_with_a_monitor(monkeypatch)
+    ex, seen, resolved = executor_with_a_monitor(monkeypatch)
     ex.shutting_down = True
     returned = []
     own = threading.Thread(target=lambda: returned.append(ex._join_monitor_thread()), name="RayWorkerMonitor")
@@ -60,4 +82,5 @@ def test_the_monitors_own_shutdown_kills_nothing_before_its_join(monkeypatch):
     own.start()
     own.join(POLL_S)
     assert returned == [None] and seen["killed"] == []
-    first.join(POLL_S + 1)
+    resolved.set()  # the waiting monitor of the fixture goes too
+    first.join(POLL_S)
