@@ -236,17 +236,15 @@ class SupervisedRayExecutor(DeathReporter, _v2.RayExecutorV2):
     def _join_monitor_thread(self) -> None:
         """vLLM's shutdown joins its monitor thread before it kills the workers, and the monitor
         waits in ``ray.wait(timeout=5.0)`` on the workers' ``run()`` refs: every planned
-        teardown (a stop, a reload's rebuild) waited for that poll to run out, 3.1 s of a
-        daemon's stop measured on 2 cores. Killed first (vLLM kills them right after, the same
-        way), the workers' refs resolve, and the monitor, which already sees ``shutting_down``,
-        returns without a failure callback. The monitor's own shutdown (a worker died) does
-        not join, as in vLLM."""
+        teardown (a stop, a reload's rebuild) waited up to 5 s for that poll to run out (1.28 s
+        in one instrumented stop on 2 cores, 0.00 s with this). Killed first (vLLM kills them
+        right after, the same way), the workers' refs resolve, and the monitor, which already
+        sees ``shutting_down``, returns without a failure callback. The monitor's own shutdown
+        (a worker died) does not join, as in vLLM."""
         if getattr(self, "shutting_down", False) and threading.current_thread().name != "RayWorkerMonitor":
-            for handle in getattr(self, "ray_worker_handles", []):
-                try:
-                    ray.kill(handle.actor)
-                except Exception:  # vLLM's own kill below tries again and logs
-                    pass
+            from executor.cluster import kill_handles
+
+            kill_handles([h.actor for h in getattr(self, "ray_worker_handles", [])])
         super()._join_monitor_thread()
 
     def _collect_dead_ranks(self) -> list[Dead]:

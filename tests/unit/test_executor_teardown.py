@@ -17,37 +17,14 @@ from executor.ray_v2 import SupervisedRayExecutor
 POLL_S = 5.0  # vLLM's monitor poll
 
 
-def executor_with_a_monitor(monkeypatch) -> tuple[SupervisedRayExecutor, dict, threading.Event]:
-    """An executor (no engine, no Ray) whose monitor thread waits as vLLM's does: until a
-    worker's ref resolves (its actor killed) or the poll runs out."""
-    seen: dict = {"killed": [], "woken_by": None, "stopping_when_woken": None}
-    resolved = threading.Event()
-
-    def kill(actor):
-        seen["killed"].append(actor)
-        resolved.set()
-
-    monkeypatch.setattr(ray_v2.ray, "kill", kill)
-    ex = SupervisedRayExecutor.__new__(SupervisedRayExecutor)
-    ex.shutting_down = False
-    ex.ray_worker_handles = [SimpleNamespace(actor=f"actor-{rank}", rank=rank) for rank in range(2)]
-
-    def monitor():  # vLLM's loop: wait, then stop quietly once shutting_down is set
-        seen["woken_by"] = "a worker's ref" if resolved.wait(POLL_S) else "the poll's end"
-        seen["stopping_when_woken"] = ex.shutting_down  # so vLLM's monitor returns: no failure callback
-
-    ex._monitor_thread = threading.Thread(target=monitor, name="RayWorkerMonitor", daemon=True)
-    ex._monitor_thread.start()
-    return ex, seen, resolved
-
-
-def test_the_workers_are_killed_before_vllms_monitor_is_joined(monkeypatch):
-    """vLLM's own monitor loop (``start_worker_monitor``), with ``ray.wait`` waiting as Ray's
-    does: until a worker's ref resolves (its actor killed) or the 5 s poll runs out."""
+def executor_with_vllms_monitor(monkeypatch) -> tuple[SupervisedRayExecutor, dict, threading.Event]:
+    """An executor (no engine, no Ray) running vLLM's own monitor loop (``start_worker_monitor``),
+    with ``ray.wait`` waiting as Ray's does: until a worker's ref resolves (its actor killed)
+    or the 5 s poll runs out."""
     seen: dict = {"killed": [], "woken_by": [], "callbacks": 0}
     resolved = threading.Event()
 
-    def kill(actor):
+    def kill(actor, no_restart=True):
         seen["killed"].append(actor)
         resolved.set()
 
@@ -64,6 +41,11 @@ def test_the_workers_are_killed_before_vllms_monitor_is_joined(monkeypatch):
     ex.failure_callback = lambda: seen.__setitem__("callbacks", seen["callbacks"] + 1)
     ex.ray_worker_handles = [SimpleNamespace(actor=f"actor-{r}", rank=r, run_ref=f"run-{r}") for r in range(2)]
     ex.start_worker_monitor()
+    return ex, seen, resolved
+
+
+def test_the_workers_are_killed_before_vllms_monitor_is_joined(monkeypatch):
+    ex, seen, _ = executor_with_vllms_monitor(monkeypatch)
     ex.shutting_down = True  # as vLLM's shutdown sets it before the join
     ex._join_monitor_thread()
     assert not ex._monitor_thread.is_alive()
@@ -74,13 +56,13 @@ def test_the_workers_are_killed_before_vllms_monitor_is_joined(monkeypatch):
 def test_the_monitors_own_shutdown_kills_nothing_before_its_join(monkeypatch):
     """A worker died: the monitor thread itself calls shutdown, which vLLM does not join; nor
     does it kill early (vLLM's shutdown kills the survivors after the dead are recorded)."""
-    ex, seen, resolved = executor_with_a_monitor(monkeypatch)
+    ex, seen, resolved = executor_with_vllms_monitor(monkeypatch)
     ex.shutting_down = True
     returned = []
     own = threading.Thread(target=lambda: returned.append(ex._join_monitor_thread()), name="RayWorkerMonitor")
-    ex._monitor_thread, first = own, ex._monitor_thread
+    ex._monitor_thread, monitor = own, ex._monitor_thread
     own.start()
     own.join(POLL_S)
     assert returned == [None] and seen["killed"] == []
-    resolved.set()  # the waiting monitor of the fixture goes too
-    first.join(POLL_S)
+    resolved.set()  # vLLM's monitor, still in its poll, goes too
+    monitor.join(POLL_S)
