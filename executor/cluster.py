@@ -96,6 +96,8 @@ class RayCluster:
 
     def shutdown(self) -> None:
         if ray.is_initialized():
+            if self.started_local:
+                kill_autoscaler_monitor()
             ray.shutdown()
 
     # --- placement group -----------------------------------------------------------
@@ -298,6 +300,28 @@ def private_token() -> None:
     os.environ.setdefault("RAY_AUTH_MODE", "token")
     if not os.environ.get("RAY_AUTH_TOKEN"):
         os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+
+
+def kill_autoscaler_monitor() -> None:
+    """Kill the local cluster's autoscaler monitor now, before ``ray.shutdown`` stops the rest.
+
+    Ray's stop of a local cluster sends each of its processes SIGTERM and gives it a second
+    before SIGKILL (``Node._kill_process_type``). The monitor, which has nothing to scale on a
+    local cluster, does not exit within it: measured on this machine, it took 1.02 s of
+    ``ray.shutdown``'s 1.19 s, every time, and ended killed. Here it gets that SIGKILL at once,
+    through Ray's own kill-and-reap (``allow_graceful=False``); the other processes still
+    get Ray's graceful stop."""
+    from ray._private import ray_constants
+    from ray._private import worker as ray_worker
+
+    node = getattr(ray_worker, "_global_node", None)
+    if node is None:
+        return
+    try:
+        node._kill_process_type(ray_constants.PROCESS_TYPE_MONITOR, allow_graceful=False,
+                                check_alive=False, wait=True)
+    except Exception as exc:  # Ray's own stop below still ends it
+        log.warning("could not kill Ray's autoscaler monitor first: %s", exc)
 
 
 class _KillOnly:
