@@ -36,6 +36,9 @@ import time
 import traceback
 from pathlib import Path
 
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
 from bench.common import VllmServe, base_parser, bench_serve, spread, start_daemon, tree, tree_cpu_s
 from chaos import inject
 from chaos.harness import RayHead
@@ -49,6 +52,8 @@ METRICS = [
     ("p99_itl_ms", "ITL p99", "lower"),
     ("cpu_ms_per_token", "CPU per output token (ms, whole tree)", "lower"),
     ("chunks_per_request", "stream chunks per request after the first", "info"),
+    ("tokens_per_step", "tokens per engine step (vLLM's iteration_tokens)", "info"),
+    ("step_ms", "wall time per engine step (ms)", "info"),
 ]
 LABELS = {"vllm_serve": "vllm serve", "daemon": "daemon (defaults)", "daemon_standby_none": "daemon, standby none",
           "vllm_serve_mp": "vllm serve (mp)", "daemon_mp": "daemon (mp)"}
@@ -79,14 +84,36 @@ def warm_up(server, work: Path, name: str, args) -> None:
     bench_serve(server.base_url, work, f"warmup-{name}", 8, float("inf"), args.input_len, args.output_len, seed=99)
 
 
+def engine_steps(base_url: str) -> tuple[float, float]:
+    """(steps, tokens) the server's engine has run: vLLM's own ``vllm:iteration_tokens_total``
+    histogram (count, sum), which ``vllm serve`` and the daemon both export."""
+    text = httpx.get(f"{base_url}/metrics", timeout=30).text
+    steps = tokens = 0.0
+    for family in text_string_to_metric_families(text):
+        if family.name == "vllm:iteration_tokens_total":
+            for sample in family.samples:
+                if sample.name.endswith("_count"):
+                    steps += sample.value
+                elif sample.name.endswith("_sum"):
+                    tokens += sample.value
+    return steps, tokens
+
+
 def measure(server, work: Path, name: str, head: RayHead, args) -> dict:
     """``vllm bench serve`` against ``server``, and the CPU its tree (and the Ray head's) spent."""
     pids = tree(server.proc.pid, head.marker)
     before = tree_cpu_s(pids)
+    steps_before, tokens_before = engine_steps(server.base_url)
     result = bench_serve(server.base_url, work, name, args.num_prompts, args.rate, args.input_len,
                          args.output_len, seed=0, max_concurrency=args.max_concurrency)
     after = tree_cpu_s(tree(server.proc.pid, head.marker))
+    steps_after, tokens_after = engine_steps(server.base_url)
     cpu = sum(after[p] - before.get(p, 0.0) for p in after)
+    # At the same throughput, a server whose front admits requests sooner runs larger engine
+    # steps, each longer: ITL per chunk then rises with the batch, not with a per-token cost.
+    steps = max(1.0, steps_after - steps_before)
+    result["tokens_per_step"] = (tokens_after - tokens_before) / steps
+    result["step_ms"] = 1000 * result["duration"] / steps
     result["cpu_s"] = cpu
     result["cpu_ms_per_token"] = 1000 * cpu / max(1, result["total_output_tokens"])
     # vLLM's collector merges the tokens a reader has not yet taken into one chunk: how many
@@ -139,7 +166,8 @@ def run_interleaved(kinds: list[str], work: Path, head: RayHead, args) -> dict[s
 def report(r: int, kind: str, result: dict) -> dict:
     print(f"round {r + 1} {kind}: {result['request_throughput']:.2f} req/s, {result['output_throughput']:.0f} tok/s, "
           f"TTFT p50 {result['p50_ttft_ms']:.1f} ms, ITL p50 {result['p50_itl_ms']:.2f} ms, "
-          f"{result['cpu_ms_per_token']:.2f} CPU-ms/token, {result['chunks_per_request']:.1f} chunks/request", flush=True)
+          f"{result['cpu_ms_per_token']:.2f} CPU-ms/token, {result['chunks_per_request']:.1f} chunks/request, "
+          f"{result['tokens_per_step']:.2f} tokens/step, {result['step_ms']:.2f} ms/step", flush=True)
     return result
 
 

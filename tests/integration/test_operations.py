@@ -232,7 +232,7 @@ def test_fork_server_and_ray_agent_sockets_are_private(daemon):
     deadline = time.monotonic() + 180
     while not (s := status(daemon))["standby"]["forkserver_pid"]:  # the standby's fork server is up
         assert time.monotonic() < deadline, s["standby"]  # (its workers need not be)
-        time.sleep(0.3)
+        time.sleep(1.0)
     fork_server, agent = s["standby"]["forkserver_pid"], s["ray"]["agent_pid"]
     assert fork_server and agent, s
     found = {}

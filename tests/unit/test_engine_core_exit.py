@@ -40,16 +40,10 @@ def child(out_dir: str, code: int) -> None:
 
     fake.shutdown = shutdown
     sys.modules["ray._private.worker"] = fake
-    atexit.register(fake.shutdown, _exiting_interpreter=True)  # as Ray registers it at import
-
-    def record() -> None:
-        with open(f"{out_dir}/hooks", "w") as f:
-            json.dump({"ray_shutdown_calls": calls}, f)
-
-    atexit.register(record)  # registered last: runs first, so Ray's own hook would come after
+    # registered first, so run last: after Ray's own hook, had it stayed registered
     atexit.register(lambda: open(f"{out_dir}/after", "w").write(json.dumps(calls)))
+    atexit.register(fake.shutdown, _exiting_interpreter=True)  # as Ray registers it at import
     _KEEP.append(_WritesOnTeardown(f"{out_dir}/teardown"))
-    print("a line in the child's stdout buffer", end="")
     if code:
         raise SystemExit(code)
 
@@ -62,7 +56,6 @@ def test_a_spawned_engine_core_keeps_its_exit_code_runs_its_hooks_and_skips_the_
     assert proc.exitcode == code
     # the hooks ran, and Ray's driver was disconnected once, not as an exiting interpreter
     assert json.loads((tmp_path / "after").read_text()) == [False]
-    assert (tmp_path / "hooks").exists()
     assert not (tmp_path / "teardown").exists(), "the interpreter's teardown ran"
 
 
