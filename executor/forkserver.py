@@ -88,8 +88,9 @@ class EngineCoreSpawnProcess(multiprocessing.context.SpawnProcess):
 
     vLLM's engine core returns from its loop with its executor, workers and rings already shut
     down; a spawned child then leaves through ``sys.exit``. Measured in a daemon's stop (py-spy,
-    2026-11-27): Ray's exit hook waited 0.5 s "to make sure log messages finish printing" (a
-    script's prints: the engine core prints none) and disconnected, then the teardown of an
+    2026-11-27): Ray's exit hook waited 0.5 s "to make sure log messages finish printing" (the
+    worker lines this driver relays; its workers are killed by then, so what that wait could
+    still catch is their output of the last half second) and disconnected, then the teardown of an
     interpreter with torch and vLLM imported took 1.5 s, about 2.3 s of the engine's 3.1 s
     teardown, which ``vllm serve``'s process manager waits for too. Here Ray's driver is
     disconnected without that wait, the other exit hooks run (logging's flush, vLLM's and
