@@ -1,6 +1,6 @@
 """A spawned engine core ends as a fork-server child does (``executor.forkserver.
 EngineCoreSpawnProcess``): its exit code is kept, the exit hooks run (Ray's driver is
-disconnected without its half-second wait for a script's prints), and the interpreter's
+disconnected without its half-second wait for the log lines it relays), and the interpreter's
 teardown, 1.5 s with torch and vLLM imported, is skipped. A real spawned child; Ray's worker
 module is a stand-in that records how it was shut down."""
 
