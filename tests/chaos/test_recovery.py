@@ -11,7 +11,6 @@ import asyncio
 import os
 import re
 import signal
-import threading
 import time
 
 import pytest
@@ -237,50 +236,6 @@ class TestTP2:
 
     def test_tp2_stop_leaves_nothing(self, tp2, ray_head):
         stop_leaves_nothing(tp2[0], ray_head)
-
-
-# --------------------------------------------------------------------------------------
-# TP=1: admission during recovery, then the restart budget runs out
-
-
-class TestTP1:
-    """One TP=1 daemon with a small admission queue; it ends with this class."""
-
-    @pytest.fixture(scope="class")
-    def tp1(self, tmp_path_factory, ray_head):
-        yield from faulted_daemon(tmp_path_factory.mktemp("chaos-tp1"), ray_head, tp=1, admission_queue_size=2)
-
-    def test_tp1_kill_with_arrivals_during_recovery(self, tp1, ray_head):
-        daemon, ref = tp1
-        before = daemon.status()["generation"]
-        arrivals: list = []
-
-        def kill_then_send_more():
-            info = inject.kill_worker(ray_head.address, rank=0)
-            wait_state(daemon, "recovering", timeout_s=10)
-            # Five new requests while RECOVERING: two fit the admission queue, three get 503.
-            result: dict = {}
-            thread = threading.Thread(target=lambda: result.update(r=asyncio.run(_batch(daemon, 5, None, offset=3))))
-            thread.start()
-            arrivals.append((thread, result))
-            return info
-
-        records, _ = asyncio.run(_batch(daemon, 6, kill_then_send_more))
-        thread, result = arrivals[0]
-        thread.join(300)
-        assert_all_exact(records, ref)
-        late = result["r"][0]
-        served = [r for r in late if r.outcome == "ok"]
-        rejected = [r for r in late if r.outcome != "ok"]
-        assert len(served) == 2 and len(rejected) == 3, [(r.outcome, r.status, r.error[:80]) for r in late]
-        assert all(r.status == 503 and "admission queue is full" in r.error for r in rejected)
-        assert compare(served, ref)["mismatched"] == 0
-        assert_clean_generation(daemon, ray_head, before)
-        assert daemon.status()["requests"]["continued"] >= 6
-
-    def test_tp1_stop_leaves_nothing(self, tp1, ray_head):
-        """Stopped here, not killed at teardown: a SIGKILLed daemon leaves its rings behind."""
-        stop_leaves_nothing(tp1[0], ray_head)
 
 
 def test_a_stop_during_a_hung_build_cuts_it_short_and_leaves_nothing(tmp_path, ray_head):

@@ -1,6 +1,7 @@
 """The warm standby on a real daemon (TP=1, Ray, vLLM): a worker kill is recovered in the
 standby's pre-started process, with the clients' text exact; a killed standby is replaced
-without touching the serving engine; stop leaves nothing. (TP=2 adoption is asserted by
+without touching the serving engine; requests that arrive during a recovery wait in the
+admission queue or get a 503; stop leaves nothing. (TP=2 adoption is asserted by
 ``test_recovery.py``'s first kill.)"""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import glob
 import json
 import os
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -18,14 +20,17 @@ import pytest
 
 from chaos import inject
 from chaos.load import PROMPTS, as_reference, compare, run_with_fault
-from tests.chaos.test_recovery import MAX_TOKENS, finish, start_daemon, stop_leaves_nothing
+from tests.chaos.test_recovery import (MAX_TOKENS, _batch, assert_all_exact, assert_clean_generation, finish, start_daemon,
+                                      stop_leaves_nothing, wait_state)
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
 def tp1(tmp_path_factory, ray_head):
-    with start_daemon(tmp_path_factory.mktemp("standby"), ray_head, tp=1, max_restarts=20) as d:
+    # a small admission queue for the arrivals during a recovery (the other tests' streams are
+    # running when their fault lands: continued, not admitted)
+    with start_daemon(tmp_path_factory.mktemp("standby"), ray_head, tp=1, max_restarts=20, admission_queue_size=2) as d:
         d.wait_ready()
         inject.prepare(ray_head.address)
         ref = as_reference(asyncio.run(run_with_fault(d.base_url, len(PROMPTS), MAX_TOKENS))[0])
@@ -204,6 +209,38 @@ def test_fork_server_death_is_an_engine_core_death_and_the_server_is_replaced(tp
     from chaos.inject import engine_core_pids
 
     assert len(engine_core_pids(daemon.proc.pid)) == 1
+
+
+def test_kill_with_arrivals_during_recovery(tp1, ray_head):
+    """Five requests that arrive while the daemon is RECOVERING: two wait in the admission
+    queue (``admission_queue_size`` 2) and are served exactly on the new engine, three get a
+    503 that says so; the six streams the kill cut continue exactly."""
+    daemon, ref = tp1
+    s = daemon.wait_standby()
+    before, continued = s["generation"], s["requests"]["continued"]
+    arrivals: list = []
+
+    def kill_then_send_more():
+        info = inject.kill_worker(ray_head.address, rank=0)
+        wait_state(daemon, "recovering", timeout_s=10)
+        result: dict = {}
+        thread = threading.Thread(target=lambda: result.update(r=asyncio.run(_batch(daemon, 5, None, offset=3))))
+        thread.start()
+        arrivals.append((thread, result))
+        return info
+
+    records, _ = asyncio.run(_batch(daemon, 6, kill_then_send_more))
+    thread, result = arrivals[0]
+    thread.join(300)
+    assert_all_exact(records, ref)
+    late = result["r"][0]
+    served = [r for r in late if r.outcome == "ok"]
+    rejected = [r for r in late if r.outcome != "ok"]
+    assert len(served) == 2 and len(rejected) == 3, [(r.outcome, r.status, r.error[:80]) for r in late]
+    assert all(r.status == 503 and "admission queue is full" in r.error for r in rejected)
+    assert compare(served, ref)["mismatched"] == 0
+    assert_clean_generation(daemon, ray_head, before)
+    assert daemon.status()["requests"]["continued"] >= continued + 6
 
 
 def test_stop_with_a_standby_leaves_nothing(tp1, ray_head):
