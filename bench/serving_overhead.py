@@ -21,7 +21,11 @@ On a shared 2-core machine the capacity drifts by ±20 % over minutes; a round h
 seconds, so each pair is measured close together in time. Each server's CPU count includes the
 Ray head's processes, so the other servers' idle Ray workers too; the idle daemons beside it probe
 and send a canary now and then where an idle ``vllm serve`` does nothing, a small bias in the
-daemon's favour.
+daemon's favour. vLLM's CPU worker binds its OpenMP threads by itself (``VLLM_CPU_OMP_THREADS_BIND=auto``):
+with TP=1 on 2 cores every server's worker takes core 0 and leaves core 1 to the rest, so side by side
+the servers' workers share one core, and a saturated one starves the other's (an idle daemon's canary
+waited over 4 s for a step beside a saturated ``vllm serve``: a hang, and a rebuild, 2026-11-27).
+Without ``--interleave`` only one server is up at a time, which is what the ``mp`` pair needs.
 
     python -m bench.serving_overhead --saturation --interleave --rounds 10 --num-prompts 200 \
         --kinds vllm_serve daemon_standby_none
@@ -111,9 +115,13 @@ def measure(server, work: Path, name: str, head: RayHead, args) -> dict:
     cpu = sum(after[p] - before.get(p, 0.0) for p in after)
     # At the same throughput, a server whose front admits requests sooner runs larger engine
     # steps, each longer: ITL per chunk then rises with the batch, not with a per-token cost.
+    # vLLM's counters start again with a new engine: a round in which the daemon rebuilt its
+    # engine (a hang verdict, a crash) measured a recovery, which the table marks, and has no
+    # step figures
+    result["engine_restarted"] = steps_after < steps_before
     steps = max(1.0, steps_after - steps_before)
-    result["tokens_per_step"] = (tokens_after - tokens_before) / steps
-    result["step_ms"] = 1000 * result["duration"] / steps
+    result["tokens_per_step"] = None if result["engine_restarted"] else (tokens_after - tokens_before) / steps
+    result["step_ms"] = None if result["engine_restarted"] else 1000 * result["duration"] / steps
     result["cpu_s"] = cpu
     result["cpu_ms_per_token"] = 1000 * cpu / max(1, result["total_output_tokens"])
     # vLLM's collector merges the tokens a reader has not yet taken into one chunk: how many
@@ -135,10 +143,12 @@ def run_one(kind: str, work: Path, head: RayHead, r: int, args) -> dict:
 
 
 def run_rounds(kinds: list[str], work: Path, head: RayHead, args) -> dict[str, list[dict]]:
-    """Each round starts each server, measures it and stops it, in ``kinds``' order."""
+    """Each round starts each server, measures it and stops it, the order reversed every other
+    round (A B, B A, ...): a server measured always first or always second on the same head (which
+    keeps what earlier rounds left, and a machine whose speed drifts) would carry that as a bias."""
     runs: dict[str, list[dict]] = {k: [] for k in kinds}
     for r in range(args.rounds):
-        for kind in kinds:
+        for kind in (kinds if r % 2 == 0 else kinds[::-1]):
             (work / f"{kind}-{r}").mkdir()
             runs[kind].append(report(r, kind, run_one(kind, work / f"{kind}-{r}", head, r, args)))
     return runs
@@ -167,7 +177,8 @@ def report(r: int, kind: str, result: dict) -> dict:
     print(f"round {r + 1} {kind}: {result['request_throughput']:.2f} req/s, {result['output_throughput']:.0f} tok/s, "
           f"TTFT p50 {result['p50_ttft_ms']:.1f} ms, ITL p50 {result['p50_itl_ms']:.2f} ms, "
           f"{result['cpu_ms_per_token']:.2f} CPU-ms/token, {result['chunks_per_request']:.1f} chunks/request, "
-          f"{result['tokens_per_step']:.2f} tokens/step, {result['step_ms']:.2f} ms/step", flush=True)
+          + ("its engine was rebuilt in this round (vLLM's counters started again)" if result["engine_restarted"] else
+             f"{result['tokens_per_step']:.2f} tokens/step, {result['step_ms']:.2f} ms/step"), flush=True)
     return result
 
 
@@ -211,8 +222,9 @@ def main() -> int:
     rows = []
     for key, label, better in METRICS:
         row = {"metric": label, "key": key, "better": better, **{k: [x[key] for x in runs[k]] for k in kinds}}
-        for k in daemons:
-            row[f"ratios_{k}"] = [d[key] / v[key] for d, v in zip(runs[k], runs[BASELINE[k]]) if v[key]]
+        for k in daemons:  # a round without the figure (None: an engine restarted) is left out
+            row[f"ratios_{k}"] = [d[key] / v[key] for d, v in zip(runs[k], runs[BASELINE[k]])
+                                  if v[key] and d[key] is not None]
         rows.append(row)
     mode = (f"saturation: {args.max_concurrency} streams always in flight, no rate limit" if args.saturation
             else f"{args.rate:g} req/s")
@@ -229,13 +241,15 @@ def main() -> int:
     for row in rows:
         table.append(f"| {row['metric']}{'' if row['better'] == 'info' else ' (' + row['better'] + ' is better)'} | "
                      + " | ".join(spread(row[f"ratios_{k}"]) for k in daemons) + " | "
-                     + " | ".join(f"{statistics.median(row[k]):.2f}" for k in kinds) + " |")
+                     + " | ".join(f"{statistics.median([x for x in row[k] if x is not None] or [float('nan')]):.2f}"
+                                  for k in kinds) + " |")
     table += [
         "", "Each round (request/s, output tok/s, TTFT p50 ms, ITL p50 ms, CPU-ms per token):", "",
         "| round | " + " | ".join(LABELS[k] for k in kinds) + " |", "| --- | " + " | ".join("---" for _ in kinds) + " |",
         *[f"| {i + 1} | " + " | ".join(
             f"{x['request_throughput']:.2f}, {x['output_throughput']:.0f}, {x['p50_ttft_ms']:.1f}, {x['p50_itl_ms']:.2f}, "
-            f"{x['cpu_ms_per_token']:.2f}" for x in (runs[k][i] for k in kinds)) + " |" for i in range(args.rounds)],
+            f"{x['cpu_ms_per_token']:.2f}{' (its engine was rebuilt in this round)' if x.get('engine_restarted') else ''}"
+            for x in (runs[k][i] for k in kinds)) + " |" for i in range(args.rounds)],
     ]
     text = "\n".join(table) + "\n"
     name = ("serving_saturation" if args.saturation else "serving_overhead") + ("_interleaved" if args.interleave else "")
