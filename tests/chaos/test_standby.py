@@ -217,7 +217,7 @@ def test_kill_with_arrivals_during_recovery(tp1, ray_head):
     503 that says so; the six streams the kill cut continue exactly."""
     daemon, ref = tp1
     s = daemon.wait_standby()
-    before, continued = s["generation"], s["requests"]["continued"]
+    before, continued = s["generation"], s["requests"].get("continued", 0)  # no key before a first continuation
     arrivals: list = []
 
     def kill_then_send_more():
