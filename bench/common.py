@@ -189,6 +189,8 @@ def process_usage(pids: dict[str, int], window_s: float) -> dict[str, dict[str, 
 
 
 def spread(values: list[float]) -> str:
+    if not values:  # e.g. every round of a daemon rebuilt its engine: no step figures
+        return "n/a"
     return f"{min(values):.3f} / {statistics.median(values):.3f} / {max(values):.3f}"
 
 

@@ -103,11 +103,18 @@ def engine_steps(base_url: str) -> tuple[float, float]:
     return steps, tokens
 
 
+def generation(server) -> int | None:
+    """The daemon's serving engine generation (None for ``vllm serve``): a fresh server's
+    counters pass the warm-up's soon after a rebuild, so a round is judged by this too."""
+    return server.status().get("generation") if hasattr(server, "status") else None
+
+
 def measure(server, work: Path, name: str, head: RayHead, args) -> dict:
     """``vllm bench serve`` against ``server``, and the CPU its tree (and the Ray head's) spent."""
     pids = tree(server.proc.pid, head.marker)
     before = tree_cpu_s(pids)
     steps_before, tokens_before = engine_steps(server.base_url)
+    generation_before = generation(server)
     result = bench_serve(server.base_url, work, name, args.num_prompts, args.rate, args.input_len,
                          args.output_len, seed=0, max_concurrency=args.max_concurrency)
     after = tree_cpu_s(tree(server.proc.pid, head.marker))
@@ -118,7 +125,7 @@ def measure(server, work: Path, name: str, head: RayHead, args) -> dict:
     # vLLM's counters start again with a new engine: a round in which the daemon rebuilt its
     # engine (a hang verdict, a crash) measured a recovery, which the table marks, and has no
     # step figures
-    result["engine_restarted"] = steps_after < steps_before
+    result["engine_restarted"] = steps_after < steps_before or generation(server) != generation_before
     steps = max(1.0, steps_after - steps_before)
     result["tokens_per_step"] = None if result["engine_restarted"] else (tokens_after - tokens_before) / steps
     result["step_ms"] = None if result["engine_restarted"] else 1000 * result["duration"] / steps
@@ -177,7 +184,7 @@ def report(r: int, kind: str, result: dict) -> dict:
     print(f"round {r + 1} {kind}: {result['request_throughput']:.2f} req/s, {result['output_throughput']:.0f} tok/s, "
           f"TTFT p50 {result['p50_ttft_ms']:.1f} ms, ITL p50 {result['p50_itl_ms']:.2f} ms, "
           f"{result['cpu_ms_per_token']:.2f} CPU-ms/token, {result['chunks_per_request']:.1f} chunks/request, "
-          + ("its engine was rebuilt in this round (vLLM's counters started again)" if result["engine_restarted"] else
+          + ("its engine was rebuilt in this round" if result["engine_restarted"] else
              f"{result['tokens_per_step']:.2f} tokens/step, {result['step_ms']:.2f} ms/step"), flush=True)
     return result
 
@@ -193,7 +200,7 @@ def main() -> int:
     parser.add_argument("--max-concurrency", type=int)
     parser.add_argument("--input-len", type=int)
     parser.add_argument("--output-len", type=int)
-    parser.add_argument("--kinds", nargs="+", choices=list(LABELS), help="servers, in this order each round (vllm_serve first)")
+    parser.add_argument("--kinds", nargs="+", choices=list(LABELS), help="servers, in this order in the first round (vllm_serve first); the order is reversed every other round")
     args = parser.parse_args()
     defaults = ({"num_prompts": 400, "rate": float("inf"), "max_concurrency": 8, "input_len": 32, "output_len": 64}
                 if args.saturation else {"num_prompts": 64, "rate": 16.0, "max_concurrency": None, "input_len": 64, "output_len": 64})
@@ -230,7 +237,7 @@ def main() -> int:
             else f"{args.rate:g} req/s")
     table = [
         f"Serving overhead, {time.strftime('%Y-%m-%d')}: {args.rounds} "
-        f"{'interleaved rounds (the servers up side by side, the order reversed every other round)' if args.interleave else 'alternating rounds'}, "
+        f"{'interleaved rounds (the servers up side by side, the order reversed every other round)' if args.interleave else 'rounds, each server alone, the order reversed every other round'}, "
         f"{args.num_prompts} prompts, "
         f"{mode}, {args.input_len} in / {args.output_len} out tokens, TP=1, demo model on CPU, Ray V2 servers on one Ray head, mp servers without Ray",
         "",

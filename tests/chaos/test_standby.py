@@ -21,7 +21,7 @@ import pytest
 from chaos import inject
 from chaos.load import PROMPTS, as_reference, compare, run_with_fault
 from tests.chaos.test_recovery import (MAX_TOKENS, _batch, assert_all_exact, assert_clean_generation, finish, start_daemon,
-                                      stop_leaves_nothing, wait_state)
+                                      stop_leaves_nothing)
 
 pytestmark = pytest.mark.integration
 
@@ -218,20 +218,31 @@ def test_kill_with_arrivals_during_recovery(tp1, ray_head):
     daemon, ref = tp1
     s = daemon.wait_standby()
     before, continued = s["generation"], s["requests"].get("continued", 0)  # no key before a first continuation
-    arrivals: list = []
+    # The standby is adopted, so the daemon is RECOVERING for well under a second (0.6 s here):
+    # the arrivals' thread is up before the kill, and sends the moment RECOVERING is seen.
+    go, result = threading.Event(), {}
+
+    def arrive():
+        go.wait(120)
+        result.update(r=asyncio.run(_batch(daemon, 5, None, offset=3)))
+
+    thread = threading.Thread(target=arrive)
+    thread.start()
 
     def kill_then_send_more():
         info = inject.kill_worker(ray_head.address, rank=0)
-        wait_state(daemon, "recovering", timeout_s=10)
-        result: dict = {}
-        thread = threading.Thread(target=lambda: result.update(r=asyncio.run(_batch(daemon, 5, None, offset=3))))
-        thread.start()
-        arrivals.append((thread, result))
+        deadline = time.monotonic() + 10
+        while (state := daemon.status()["state"]) != "recovering":
+            assert time.monotonic() < deadline and state == "ready", f"never seen recovering: {daemon.status()}"
+            time.sleep(0.01)
+        go.set()
         return info
 
-    records, _ = asyncio.run(_batch(daemon, 6, kill_then_send_more))
-    thread, result = arrivals[0]
-    thread.join(300)
+    try:
+        records, _ = asyncio.run(_batch(daemon, 6, kill_then_send_more))
+    finally:
+        go.set()
+        thread.join(300)
     assert_all_exact(records, ref)
     late = result["r"][0]
     served = [r for r in late if r.outcome == "ok"]
