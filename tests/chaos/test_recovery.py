@@ -35,13 +35,13 @@ def start_daemon(workdir, ray_head, tp: int, port: int | None = None, **supervis
     return Daemon(workdir, config, env=OPERATOR_ENV, port=port).start()
 
 
-def wait_state(daemon: Daemon, state: str, timeout_s: float = 240) -> dict:
+def wait_state(daemon: Daemon, state: str, timeout_s: float = 240, poll_s: float = 0.2) -> dict:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         s = daemon.status()
         if s["state"] == state:
             return s
-        time.sleep(0.2)
+        time.sleep(poll_s)
     raise AssertionError(f"daemon not {state} within {timeout_s} s: {daemon.status()}\n{daemon.tail()}")
 
 

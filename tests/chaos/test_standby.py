@@ -21,7 +21,7 @@ import pytest
 from chaos import inject
 from chaos.load import PROMPTS, as_reference, compare, run_with_fault
 from tests.chaos.test_recovery import (MAX_TOKENS, _batch, assert_all_exact, assert_clean_generation, finish, start_daemon,
-                                      stop_leaves_nothing)
+                                      stop_leaves_nothing, wait_state)
 
 pytestmark = pytest.mark.integration
 
@@ -231,10 +231,7 @@ def test_kill_with_arrivals_during_recovery(tp1, ray_head):
 
     def kill_then_send_more():
         info = inject.kill_worker(ray_head.address, rank=0)
-        deadline = time.monotonic() + 10
-        while (state := daemon.status()["state"]) != "recovering":
-            assert time.monotonic() < deadline and state == "ready", f"never seen recovering: {daemon.status()}"
-            time.sleep(0.01)
+        wait_state(daemon, "recovering", timeout_s=10, poll_s=0.01)
         go.set()
         return info
 
