@@ -116,11 +116,11 @@ def plain_vllm_serve(workdir: Path, *extra: str, max_model_len: int = 256) -> It
 
 
 def start_daemon(workdir: Path, head: RayHead, tp: int = 1, max_model_len: int = 1024, executor: str = "ray",
-                 **supervisor: Any) -> Daemon:
+                 extra: tuple[str, ...] = (), **supervisor: Any) -> Daemon:
     config = {"engine": {"tensor_parallel_size": tp, "max_model_len": max_model_len, "executor": executor},
               "ray": {"address": head.address}, "supervisor": supervisor}
     # the same front-end flag as VllmServe: vLLM's access log off in both
-    return Daemon(workdir, config, env=OPERATOR_ENV, args=("--disable-uvicorn-access-log",)).start()
+    return Daemon(workdir, config, env=OPERATOR_ENV, args=("--disable-uvicorn-access-log", *extra)).start()
 
 
 def bench_serve(base_url: str, result_dir: Path, name: str, num_prompts: int, rate: float, input_len: int,

@@ -66,12 +66,12 @@ LABELS = {"vllm_serve": "vllm serve", "daemon": "daemon (defaults)", "daemon_sta
 BASELINE = {"daemon": "vllm_serve", "daemon_standby_none": "vllm_serve", "daemon_mp": "vllm_serve_mp"}
 
 
-def start(kind: str, work: Path, head: RayHead):
-    """``kind``'s server, ready (stopped again if it never is)."""
+def start(kind: str, work: Path, head: RayHead, extra: tuple[str, ...] = ()):
+    """``kind``'s server, ready (stopped again if it never is), with ``extra`` vLLM flags."""
     if kind in ("vllm_serve", "vllm_serve_mp"):
-        server = VllmServe(work, head if kind == "vllm_serve" else None).start()
+        server = VllmServe(work, head if kind == "vllm_serve" else None, extra=extra).start()
     else:
-        server = start_daemon(work, head, executor="mp" if kind == "daemon_mp" else "ray",
+        server = start_daemon(work, head, executor="mp" if kind == "daemon_mp" else "ray", extra=extra,
                               **({"standby": "none"} if kind in ("daemon_standby_none", "daemon_mp") else {}))
     try:
         server.wait_ready()
@@ -140,8 +140,12 @@ def measure(server, work: Path, name: str, head: RayHead, args) -> dict:
     return result
 
 
+def engine_flags(args) -> tuple[str, ...]:
+    return ("--max-num-seqs", str(args.max_num_seqs)) if args.max_num_seqs else ()
+
+
 def run_one(kind: str, work: Path, head: RayHead, r: int, args) -> dict:
-    server = start(kind, work, head)
+    server = start(kind, work, head, engine_flags(args))
     try:
         warm_up(server, work, f"{kind}-{r}", args)
         return measure(server, work, f"{kind}-{r}", head, args)
@@ -168,7 +172,7 @@ def run_interleaved(kinds: list[str], work: Path, head: RayHead, args) -> dict[s
     try:
         for kind in kinds:
             (work / kind).mkdir()
-            servers[kind] = start(kind, work / kind, head)
+            servers[kind] = start(kind, work / kind, head, engine_flags(args))
         for kind in kinds:
             warm_up(servers[kind], work / kind, kind, args)
         for r in range(args.rounds):
@@ -198,6 +202,9 @@ def main() -> int:
     parser.add_argument("--num-prompts", type=int)
     parser.add_argument("--rate", type=float)
     parser.add_argument("--max-concurrency", type=int)
+    parser.add_argument("--max-num-seqs", type=int,
+                        help="vLLM's --max-num-seqs for every server: below --max-concurrency, every engine "
+                             "step holds that many streams in each server, so ITL is compared at equal batch")
     parser.add_argument("--input-len", type=int)
     parser.add_argument("--output-len", type=int)
     parser.add_argument("--kinds", nargs="+", choices=list(LABELS), help="servers, in this order in the first round (vllm_serve first); the order is reversed every other round")
@@ -234,7 +241,7 @@ def main() -> int:
                                   if v[key] and d[key] is not None]
         rows.append(row)
     mode = (f"saturation: {args.max_concurrency} streams always in flight, no rate limit" if args.saturation
-            else f"{args.rate:g} req/s")
+            else f"{args.rate:g} req/s") + (f", --max-num-seqs {args.max_num_seqs}" if args.max_num_seqs else "")
     table = [
         f"Serving overhead, {time.strftime('%Y-%m-%d')}: {args.rounds} "
         f"{'interleaved rounds (the servers up side by side, the order reversed every other round)' if args.interleave else 'rounds, each server alone, the order reversed every other round'}, "

@@ -134,6 +134,11 @@ class SupervisorSettings(_Section):
     hang_first_steps_timeout_s: float | None = Field(
         None, gt=0, description="the hang timeout of a generation's first hang_first_steps steps; "
                                 "unset: 90 s on a GPU platform (kernels compiled on first use), hang_timeout_s on CPU")
+    # A busy engine whose threads wait for a CPU (health.starvation: a host whose cores another
+    # engine or job saturates) is starved, not hung: a rebuild would bind the same cores.
+    hang_starved_grace_s: float = Field(
+        60.0, ge=0, description="a stalled engine whose threads wait for a CPU (starved by the host, not hung) "
+                                "is judged hung only after this long starved; 0: at once, like any stall")
     probe_failure_threshold: int = Field(2, ge=1)
     replicas: int = Field(
         1, ge=1, le=64, description="engine replicas, each with its own workers; a failed one's streams move to the others")

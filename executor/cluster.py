@@ -87,6 +87,11 @@ class RayCluster:
         return address
 
     @staticmethod
+    def node_id() -> str:
+        """The Ray node this process is attached to (the daemon's host)."""
+        return ray.get_runtime_context().get_node_id()
+
+    @staticmethod
     def reachable() -> bool:
         """Whether the GCS answers (the cluster still exists)."""
         try:

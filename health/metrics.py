@@ -86,6 +86,9 @@ class SupervisorMetrics:
         self.e2e = Histogram(p + "request_duration_seconds", "Request arrival to last token", buckets=E2E_BUCKETS, registry=r)
         self.probe_latency = Histogram(p + "probe_duration_seconds", "Duration of the canary generation", ["replica"],
                                        buckets=PROBE_BUCKETS, registry=r)
+        self.starved_seconds = Counter(
+            p + "engine_starved_seconds", "Time a busy engine took no step while its threads waited for a CPU "
+            "(starved by the host: its hang verdict waits up to hang_starved_grace_s)", ["replica"], registry=r)
         self.probe_last_success = Gauge(p + "probe_last_success_timestamp_seconds", "Unix time of the last successful probe",
                                         ["replica"], registry=r)
         self.ray_connected = Gauge(p + "ray_connected", "1 while the daemon's Ray agent is connected to the cluster's GCS "
@@ -111,6 +114,7 @@ class SupervisorMetrics:
             self.generation.labels(i).set(0)
             self.recovery_duration.labels(i)
             self.probe_latency.labels(i)
+            self.starved_seconds.labels(i)
             self.probe_last_success.labels(i)
             for rank in range(self.world_size):
                 self.worker_up.labels(i, str(rank)).set(0)

@@ -143,7 +143,28 @@ class EngineBuilder:
 
         cfg = self.settings.supervisor
         return Generation(number, instance_id, engine, shm_before, build_s, replica=replica, epoch=epoch, steps=steps,
-                          first_steps=cfg.hang_first_steps, first_steps_timeout_s=cfg.first_steps_timeout(is_cpu_platform()))
+                          first_steps=cfg.hang_first_steps, first_steps_timeout_s=cfg.first_steps_timeout(is_cpu_platform()),
+                          local_pids=self.local_pids(engine, instance_id))
+
+    def local_pids(self, engine: Any, instance_id: str) -> list[int]:
+        """The engine's processes on this host: its engine core, and its workers (the ``mp``
+        executor's children, or the Ray actors on this node). Asked once, here, off the event
+        loop: the probe reads only ``/proc`` of these (``health.starvation``)."""
+        from executor.engine import engine_core_pids, engine_worker_pids
+        from executor.procfs import read
+
+        pids = engine_core_pids(engine)
+        try:
+            if not self.uses_ray:
+                return pids + engine_worker_pids(engine)
+            node = self.ray.call("node_id")
+            # a Ray worker's process title starts with "ray::": a pid of another host's worker
+            # that names a process here too is not taken for it
+            return pids + [w["pid"] for w in self.ray.workers(instance_id) if w.get("pid") and w.get("node_id") == node
+                           and (read(w["pid"], "cmdline") or b"").startswith(b"ray::")]
+        except Exception as exc:  # the starvation check then reads the engine core alone
+            log.warning("could not list the engine's workers on this host", error=f"{type(exc).__name__}: {exc}")
+            return pids
 
     def abandon_builds(self, wait_s: float = 120.0) -> list[int]:
         """The stop waits for no engine start (systemd's stop timeout is the drain's plus a

@@ -211,6 +211,41 @@ def test_fork_server_death_is_an_engine_core_death_and_the_server_is_replaced(tp
     assert len(engine_core_pids(daemon.proc.pid)) == 1
 
 
+def supervisor_metric(daemon, series: str) -> float:
+    """One series of ``/metrics/supervisor`` (it exists from start-up)."""
+    metrics = httpx.get(daemon.base_url + "/metrics/supervisor").text
+    values = [float(line[len(series) + 1:]) for line in metrics.splitlines() if line.startswith(series + " ")]
+    assert len(values) == 1, series
+    return values[0]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the starvation injector's real-time busy process needs root, as in CI")
+def test_a_starved_worker_is_not_judged_hung(tp1, ray_head):
+    """The host keeps the serving worker off its core for 7 s, longer than ``hang_timeout_s``
+    (4 s), its threads runnable all along (``chaos.starve``, the worker bound to one core
+    meanwhile: what a second engine or a batch job on the worker's cores does). That is no hang: the verdict waits
+    (``hang_starved_grace_s``), the engine is not rebuilt, and the streams finish on it with the
+    text of a fault-free run; the time is on ``vllm_supervisor_engine_starved_seconds_total``."""
+    from chaos.starve import starve
+
+    daemon, ref = tp1
+    s = daemon.wait_standby()
+    gen = s["generation"]
+    worker = daemon.full_status()["workers"][0]["pid"]
+    starved = 'vllm_supervisor_engine_starved_seconds_total{replica="0"}'
+    hangs = 'vllm_supervisor_restarts_total{reason="hang",replica="0"}'
+    starved_before, hangs_before = supervisor_metric(daemon, starved), supervisor_metric(daemon, hangs)
+    records, info = asyncio.run(run_with_fault(daemon.base_url, 4, MAX_TOKENS, lambda: starve(worker, 7.0, bind=True)))
+    exact(records, ref)
+    gap = max(b - a for r in records for a, b in zip(r.chunk_times, r.chunk_times[1:]))
+    assert gap > 4.0, f"the streams' largest gap was {gap:.1f} s: the worker was not starved past hang_timeout_s"
+    after = daemon.status()
+    assert after["generation"] == gen, (after["recoveries"][-1:], daemon.tail())
+    assert supervisor_metric(daemon, hangs) == hangs_before
+    assert supervisor_metric(daemon, starved) - starved_before >= 1.0, daemon.tail()
+    assert "engine starved of CPU" in daemon.tail(200)
+
+
 def test_kill_with_arrivals_during_recovery(tp1, ray_head):
     """Five requests that arrive while the daemon is RECOVERING: two wait in the admission
     queue (``admission_queue_size`` 2) and are served exactly on the new engine, three get a
