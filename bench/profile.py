@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from bench.common import base_parser, bench_serve, tree, tree_cpu_s
-from bench.serving_overhead import LABELS, start
+from bench.serving_overhead import LABELS, engine_flags, start
 from chaos import inject
 from chaos.harness import RayHead
 from executor import procfs
@@ -66,7 +66,7 @@ def top_frames(collapsed: Path, n: int = 15) -> dict[str, list[tuple[str, int]]]
 
 
 def profile(kind: str, work: Path, head: RayHead, args) -> dict:
-    server = start(kind, work, head)
+    server = start(kind, work, head, engine_flags(args))
     try:
         bench_serve(server.base_url, work, f"warmup-{kind}", 8, float("inf"), 32, 64, seed=99)
         result: dict = {}
@@ -74,7 +74,7 @@ def profile(kind: str, work: Path, head: RayHead, args) -> dict:
         if not args.idle:
             def run() -> None:
                 result["bench"] = bench_serve(server.base_url, work, kind, args.num_prompts, float("inf"), 32, 64,
-                                              seed=0, max_concurrency=8)
+                                              seed=0, max_concurrency=args.max_concurrency)
             load = threading.Thread(target=run)
             load.start()
             time.sleep(15)  # the client imported vLLM and the streams are in flight
@@ -124,6 +124,8 @@ def main() -> int:
     parser.add_argument("--idle", action="store_true")
     parser.add_argument("--duration", type=int, default=20)
     parser.add_argument("--num-prompts", type=int, default=1000)
+    parser.add_argument("--max-concurrency", type=int, default=8, help="streams always in flight")
+    parser.add_argument("--max-num-seqs", type=int, help="vLLM's --max-num-seqs for every server (bench.serving_overhead)")
     parser.add_argument("--top", type=int, default=4, help="how many of the busiest processes to sample")
     args = parser.parse_args()
     args.py_spy = shutil.which("py-spy", path=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
