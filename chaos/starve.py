@@ -4,15 +4,13 @@ process is not: that is a hang).
 
     python -m chaos.starve --pid PID --seconds 7 [--bind]
 
-Busy processes on each core the target's threads may run on, one real-time (``SCHED_FIFO``) (vLLM's
-``mp`` CPU worker binds its OpenMP threads to cores of its own: with TP=1 on 2 cores, core 0;
-``--bind`` binds an unbound target, a Ray worker, to the first core meanwhile). The
-kernel's real-time throttling (``kernel.sched_rt_runtime_us``: 95 % of each second to real-time
-tasks) is lifted meanwhile and put back afterwards whatever happens; what the kernel still
-leaves to normal tasks (``HOGS``) goes to two more at nice -20. Each busy process also ends by
-itself at its deadline. Needs root
-(``CAP_SYS_NICE`` and the sysctl). Refuses a target that may run on every core: the daemon
-and everything else would starve with it.
+The target's threads go to the idle scheduling class (``SCHED_IDLE``, as ``chrt --idle``
+would put them) and two busy processes at nice -20 take each of their cores: the threads stay
+runnable and get about 0.002 % of the core. ``--bind`` binds them to the first core meanwhile,
+as vLLM's ``mp`` CPU worker binds itself (a Ray worker is not bound). Afterwards each thread has
+its own class and affinity back, whatever happens, and each busy process also ends by itself at
+its deadline. Nothing host-wide is changed. Needs root (nice -20, and another user's threads).
+Refuses when those cores are all the cores this process may use: everything would starve.
 """
 
 from __future__ import annotations
@@ -24,24 +22,16 @@ import subprocess
 import sys
 import time
 
-RT_RUNTIME = "/proc/sys/kernel/sched_rt_runtime_us"
-
 HOG = """
 import os, sys, time
 deadline = float(sys.argv[2])
 os.sched_setaffinity(0, {int(sys.argv[1])})
-if sys.argv[3] == "fifo":
-    os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
-else:
-    os.setpriority(os.PRIO_PROCESS, 0, -20)
+os.setpriority(os.PRIO_PROCESS, 0, -20)
 print("on", flush=True)
 while time.monotonic() < deadline:
     pass
 """
-# Per core: one real-time busy process, and two at nice -20 for what real-time tasks must leave
-# to normal ones (since Linux 6.12 a deadline server gives them 50 ms of every second, whatever
-# kernel.sched_rt_runtime_us says): a nice-0 thread then gets ~0.03 % of the core.
-HOGS = ("fifo", "nice", "nice")
+HOGS_PER_CORE = 2
 
 
 def cores_of(pid: int) -> set[int]:
@@ -55,65 +45,72 @@ def cores_of(pid: int) -> set[int]:
     return cores
 
 
-def pin(pid: int, cores: set[int]) -> dict[int, set[int]]:
-    """Bind every thread of ``pid`` to ``cores``; returns each thread's affinity before."""
+def demote(pid: int, cores: set[int] | None) -> dict[int, tuple[int, os.sched_param, set[int]]]:
+    """Put every thread of ``pid`` in the idle class (and on ``cores`` if given); returns what
+    each had before."""
     before = {}
     for tid in map(int, os.listdir(f"/proc/{pid}/task")):
         try:
-            before[tid] = os.sched_getaffinity(tid)
-            os.sched_setaffinity(tid, cores)
+            before[tid] = (os.sched_getscheduler(tid), os.sched_getparam(tid), os.sched_getaffinity(tid))
+            if cores is not None:
+                os.sched_setaffinity(tid, cores)
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
         except OSError:  # the thread ended meanwhile
             pass
     return before
 
 
-def unpin(before: dict[int, set[int]]) -> None:
-    for tid, cores in before.items():
+def restore(pid: int, before: dict[int, tuple[int, os.sched_param, set[int]]]) -> None:
+    """Give each thread of ``pid`` what it had before ``demote``; a thread started meanwhile
+    (in the idle class and on the bound cores, as its creator was) gets what the main thread had."""
+    if not before:
+        return
+    try:
+        tids = set(map(int, os.listdir(f"/proc/{pid}/task")))
+    except OSError:  # the process is gone
+        return
+    main = before.get(pid) or next(iter(before.values()))
+    for tid in tids:
+        policy, param, cores = before.get(tid, main)
+        try:
+            os.sched_setscheduler(tid, policy, param)
+        except OSError:
+            pass
         try:
             os.sched_setaffinity(tid, cores)
         except OSError:
             pass
 
 
-def starve(pid: int, seconds: float, cores: set[int] | None = None, bind: bool = False) -> dict:
-    """Keep ``cores`` (by default every core ``pid``'s threads may use) busy with real-time
-    processes for ``seconds``; returns when they are done. ``bind``: bind ``pid``'s threads to
-    ``cores`` (by default the machine's first) meanwhile, as vLLM's ``mp`` CPU worker binds
-    itself, and give them their own affinity back afterwards. ``monotonic``: when the busy
-    processes started."""
-    machine = os.sched_getaffinity(0) | set(range(os.cpu_count() or 1))
-    if bind and cores is None:
-        cores = {min(machine)}
-    cores = cores if cores is not None else cores_of(pid)
+def starve(pid: int, seconds: float, bind: bool = False) -> dict:
+    """Starve ``pid`` for ``seconds``; returns when its threads have their class back.
+    ``monotonic``: when the busy processes had all taken their cores."""
+    machine = os.sched_getaffinity(0)
+    cores = {min(machine)} if bind else cores_of(pid)
     if not cores or cores >= machine:
-        raise SystemExit(f"pid {pid} may run on cores {sorted(cores)}: starving them all would starve the host")
-    with open(RT_RUNTIME) as fh:
-        saved = fh.read().strip()
+        raise SystemExit(f"pid {pid} would be starved on cores {sorted(cores)}, all this process may use: "
+                         "everything would starve with it (--bind it to one core)")
+    deadline = time.monotonic() + seconds
     hogs: list[subprocess.Popen] = []
-    bound: dict[int, set[int]] = {}
+    before: dict = {}
     try:
-        bound = pin(pid, cores) if bind else {}
-        with open(RT_RUNTIME, "w") as fh:
-            fh.write("-1")
-        deadline = time.monotonic() + seconds
-        hogs = [subprocess.Popen([sys.executable, "-c", HOG, str(core), str(deadline), mode], stdout=subprocess.PIPE)
-                for core in sorted(cores) for mode in HOGS]
-        for hog in hogs:  # each is real-time on its core once it says so
+        hogs = [subprocess.Popen([sys.executable, "-c", HOG, str(core), str(deadline)], stdout=subprocess.PIPE)
+                for core in sorted(cores) for _ in range(HOGS_PER_CORE)]
+        for hog in hogs:  # each is at nice -20 on its core once it says so
             if hog.stdout.readline().strip() != b"on":
                 raise RuntimeError(f"a busy process could not take its core: exit {hog.wait()}")
         at = time.monotonic()
+        before = demote(pid, cores if bind else None)
         for hog in hogs:
             hog.wait(seconds + 30)
-        return {"starved_pid": pid, "cores": sorted(cores), "seconds": seconds, "monotonic": at}
+        return {"starved_pid": pid, "cores": sorted(cores), "seconds": round(deadline - at, 2), "monotonic": at}
     finally:
+        restore(pid, before)
         for hog in hogs:
             if hog.poll() is None:
                 hog.kill()
                 hog.wait()
             hog.stdout.close()
-        with open(RT_RUNTIME, "w") as fh:
-            fh.write(saved)
-        unpin(bound)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,7 +34,7 @@ import structlog
 
 from executor.canary import CANARY_PREFIX
 from health.events import ClusterLost, EngineFailed
-from health.starvation import STARVED_SHARE, sample, starved_share
+from health.starvation import STARVED_SHARE, Episodes, sample, starved_share
 from health.view import ProbeView
 
 log = structlog.get_logger("vllm_supervisor.probe")
@@ -75,8 +75,7 @@ class EngineProbe:
         self._reach_check: asyncio.Future | None = None
         self._probes: dict[int, asyncio.Task] = {}  # replica index -> its full probe in flight
         self.counts: dict[int, int] = {}  # replica index -> its consecutive failed probes
-        # replica index -> (generation, since, last counted): its engine stalled, starved of CPU
-        self._starvation: dict[int, tuple[int, float, float]] = {}
+        self.starvation = Episodes(count_cap_s=STALL_CHECK_S + CONFIRM_S)  # stalled engines starved of CPU
 
     @property
     def failures(self) -> int:
@@ -116,59 +115,56 @@ class EngineProbe:
                     self.counts[rep.index] = 0
                     continue
                 gen = rep.current
+                starved_s = self.starvation.moved(rep.index, gen.number, gen.last_progress())
+                if starved_s is not None:
+                    log.info("engine moved again after starving", replica=rep.index, starved_s=round(starved_s, 1))
                 if stalled(gen, view.cfg.hang_timeout_s, since=view.released_monotonic) is not None:
                     # Once more after the loop ran a while: a daemon loop that was itself held up
                     # has step reports queued for it, which must be read before anything is hung.
                     # Across that wait, whether the engine's threads waited for a CPU.
-                    threads_before, started = sample(gen.local_pids), time.monotonic()
+                    threads_before = await asyncio.to_thread(sample, gen.local_pids)
                     await asyncio.sleep(CONFIRM_S)
                     problem = None if view.held() else stalled(gen, view.cfg.hang_timeout_s, since=view.released_monotonic)
                     if problem is not None and not gen.failed and gen is self._current(rep.index) and view.ready():
-                        share = starved_share(threads_before, sample(gen.local_pids), time.monotonic() - started)
-                        starved_s = self._starved(rep.index, gen, share)
-                        if starved_s is None:
-                            continue  # starved of CPU, within its grace: not hung (yet)
-                        if starved_s:
-                            problem += f"; its threads starved of CPU for {starved_s:.0f} s, past hang_starved_grace_s"
+                        share = starved_share(threads_before, await asyncio.to_thread(sample, gen.local_pids))
+                        note = self._starved(rep.index, gen, share)
+                        if note is None:
+                            continue  # starved of CPU (or just now): not hung (yet)
+                        problem += note
                         self.counts[rep.index] = 0  # the wait is itself the evidence: no threshold
                         log.warning("probe failed", problem=problem, replica=rep.index)
                         view.post(EngineFailed(gen.number, "hang", problem, kill_workers=True))
                     continue
-                self._moved(rep.index)
                 if probe_now and (rep.index not in self._probes or self._probes[rep.index].done()):
                     # the replicas' probes run side by side, and beside the stall checks: a hung
                     # replica's canary delays nothing
                     self._probes[rep.index] = asyncio.ensure_future(self.probe(rep))
 
-    def _starved(self, replica: int, gen: Any, share: float) -> float | None:
+    def _starved(self, replica: int, gen: Any, share: float, now: float | None = None) -> str | None:
         """Whether a stalled ``gen`` is starved of CPU rather than hung (``health.starvation``):
-        a thread of its waited runnable for ``share`` of the confirmation. None: starved, within
-        ``hang_starved_grace_s`` (counted on a metric), so its hang verdict waits; else how long
-        it has been starved when the verdict is given (0.0: not starved)."""
-        grace = self.view.cfg.hang_starved_grace_s
-        now = time.monotonic()
-        number, since, counted = self._starvation.get(replica, (None, now, now))
-        if share < STARVED_SHARE or grace <= 0:
-            self._starvation.pop(replica, None)
-            return now - since if number == gen.number else 0.0
-        if number != gen.number:  # a new episode
-            since = counted = now
-            log.warning("engine starved of CPU: its hang verdict waits", replica=replica,
-                        cpu_wait_share=round(share, 2), grace_s=grace)
-        self.view.metrics.starved_seconds.labels(str(replica)).inc(now - counted)
-        self._starvation[replica] = (gen.number, since, now)
-        if now - since < grace:
+        a thread of its waited runnable for ``share`` of the confirmation while the engine
+        barely ran. None: its verdict waits, while it is starved (for ``hang_starved_grace_s``
+        at most, counted on a metric) and for ``hang_timeout_s`` after it was last seen starved
+        (given its CPU back, it finishes the step it was kept from); else what the hang's detail
+        adds ("" for a plain hang)."""
+        cfg = self.view.cfg
+        now = time.monotonic() if now is None else now
+        if share >= STARVED_SHARE and cfg.hang_starved_grace_s > 0:
+            starved_s, count_s = self.starvation.seen(replica, gen.number, now, CONFIRM_S)
+            self.view.metrics.starved_seconds.labels(str(replica)).inc(count_s)
+            if starved_s == 0.0:
+                log.warning("engine starved of CPU: its hang verdict waits", replica=replica,
+                            cpu_wait_share=round(share, 2), grace_s=cfg.hang_starved_grace_s)
+            if starved_s < cfg.hang_starved_grace_s:
+                return None
+            log.warning("engine starved of CPU past its grace: judged hung", replica=replica, starved_s=round(starved_s, 1))
+            return f"; its threads starved of CPU for {starved_s:.0f} s, past hang_starved_grace_s"
+        last = self.starvation.since(replica, gen.number)
+        if not last:
+            return ""
+        if now - last < cfg.hang_timeout_s:
             return None
-        log.warning("engine starved of CPU past its grace: judged hung", replica=replica, starved_s=round(now - since, 1))
-        self._starvation.pop(replica, None)
-        return now - since
-
-    def _moved(self, replica: int) -> None:
-        """``replica``'s engine is not stalled (any more): a starvation episode ends."""
-        episode = self._starvation.pop(replica, None)
-        if episode is not None:
-            log.info("engine moved again after starving", replica=replica,
-                     starved_s=round(time.monotonic() - episode[1], 1))
+        return f"; {now - last:.1f} s after its threads were last seen starved of CPU"
 
     async def probe(self, rep: Any) -> None:
         view, gen = self.view, rep.current
