@@ -55,6 +55,10 @@ METRICS = [
     ("p50_itl_ms", "ITL p50", "lower"),
     ("p99_itl_ms", "ITL p99", "lower"),
     ("cpu_ms_per_token", "CPU per output token (ms, whole tree)", "lower"),
+    ("cpu_ms_per_token_front", "... of it in the front (the API server / the daemon)", "info"),
+    ("cpu_ms_per_token_engine_core", "... in the engine core", "info"),
+    ("cpu_ms_per_token_workers", "... in the workers", "info"),
+    ("cpu_ms_per_token_rest", "... in the rest (Ray, helpers, an idle standby)", "info"),
     ("chunks_per_request", "stream chunks per request after the first", "info"),
     ("tokens_per_step", "tokens per engine step (vLLM's iteration_tokens)", "info"),
     ("step_ms", "wall time per engine step (ms)", "info"),
@@ -103,6 +107,26 @@ def engine_steps(base_url: str) -> tuple[float, float]:
     return steps, tokens
 
 
+PARTS = ("front", "engine_core", "workers", "rest")
+
+
+def part_of(pid: int, root: int) -> str:
+    """Which part of a server ``pid`` is: its front (the server's own process: the API server or
+    the daemon), its engine core, its workers (the model), or the rest (Ray's processes, the
+    daemon's helpers, an idle standby)."""
+    from executor import procfs
+
+    if pid == root:
+        return "front"
+    title = (procfs.read(pid, "cmdline") or b"").split(b"\0")[0]
+    if title.startswith(b"VLLM::EngineCore"):
+        return "engine_core"
+    if title.startswith((b"VLLM::Worker", b"ray::RayWorkerWrapper", b"ray::SupervisedRayWorkerProc",
+                         b"ray::StandbyRayWorkerProc.run", b"ray::RayWorkerProc")):
+        return "workers"
+    return "rest"
+
+
 def generation(server) -> int | None:
     """The daemon's serving engine generation (None for ``vllm serve``): a fresh server's
     counters pass the warm-up's soon after a rebuild, so a round is judged by this too."""
@@ -120,6 +144,12 @@ def measure(server, work: Path, name: str, head: RayHead, args) -> dict:
     after = tree_cpu_s(tree(server.proc.pid, head.marker))
     steps_after, tokens_after = engine_steps(server.base_url)
     cpu = sum(after[p] - before.get(p, 0.0) for p in after)
+    tokens = max(1, result["total_output_tokens"])
+    by_part: dict[str, float] = {}
+    for p in after:
+        by_part[part_of(p, server.proc.pid)] = by_part.get(part_of(p, server.proc.pid), 0.0) + after[p] - before.get(p, 0.0)
+    for part in PARTS:
+        result[f"cpu_ms_per_token_{part}"] = 1000 * by_part.get(part, 0.0) / tokens
     # At the same throughput, a server whose front admits requests sooner runs larger engine
     # steps, each longer: ITL per chunk then rises with the batch, not with a per-token cost.
     # vLLM's counters start again with a new engine: a round in which the daemon rebuilt its
