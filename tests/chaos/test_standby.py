@@ -1,7 +1,8 @@
 """The warm standby on a real daemon (TP=1, Ray, vLLM): a worker kill is recovered in the
 standby's pre-started process, with the clients' text exact; a killed standby is replaced
-without touching the serving engine; requests that arrive during a recovery wait in the
-admission queue or get a 503; stop leaves nothing. (TP=2 adoption is asserted by
+without touching the serving engine; a worker starved of CPU is not taken for a hung one;
+requests that arrive during a recovery wait in the admission queue or get a 503; stop leaves
+nothing. (TP=2 adoption is asserted by
 ``test_recovery.py``'s first kill.)"""
 
 from __future__ import annotations
