@@ -81,7 +81,8 @@ class Supervisor:
             self.ray.drop_early()
         self.metrics = SupervisorMetrics(self.builder.world_size, registry)
         self.notifier = SystemdNotifier()
-        self.client = SupervisedEngineClient(self)
+        # vLLM's own flag: `vllm serve` logs a line per request only with --enable-log-requests
+        self.client = SupervisedEngineClient(self, log_requests=lambda: bool(getattr(self.engine_args, "enable_log_requests", False)))
         # The standby prepares one next generation, for whichever replica fails first. Its workers
         # are the V2 executor's: the compiled-graph executor cannot adopt them.
         standby_workers = standby_workers or StandbyWorkers(self.ray, self.builder.instance_id, settings.ray.namespace,

@@ -38,7 +38,7 @@ from supervisor.stream import Streams
 class SupervisedEngineClient(EngineClient):
     """``EngineClient`` whose engine survives worker deaths (see the module docstring)."""
 
-    def __init__(self, dispatcher: Dispatcher):
+    def __init__(self, dispatcher: Dispatcher, log_requests: Callable[[], bool] = lambda: False):
         self.d = dispatcher
         self.vllm_config: Any = None  # set by attach(), from the first engine
         self.model_config: Any = None
@@ -63,7 +63,7 @@ class SupervisedEngineClient(EngineClient):
         self.admission = Admission(dispatcher)
         self.streams = Streams(dispatcher, self.admission,
                                lambda ids, params, rid: self.new_detokenizer(self.tokenizer, ids, params, rid),
-                               lambda: self.tokenizer, lambda: self.engines)
+                               lambda: self.tokenizer, lambda: self.engines, log_requests)
 
     # what the daemon's status, metrics and drain read
     in_flight = property(lambda self: self.streams.in_flight)

@@ -58,12 +58,16 @@ class Streams:
 
     def __init__(self, dispatcher: Dispatcher, admission: Admission,
                  detokenizer: Callable[[list[int], Any, str], Any], tokenizer: Callable[[], Any],
-                 engines: Callable[[], Engines] = Engines):
+                 engines: Callable[[], Engines] = Engines, log_requests: Callable[[], bool] = lambda: False):
         self.d = dispatcher
         self.admission = admission
         self._detokenizer = detokenizer
         self._tokenizer = tokenizer
         self._engines = engines  # what the serving engines carry across a seam
+        # a line as each request starts and ends, at info with vLLM's --enable-log-requests (as
+        # `vllm serve` logs requests), else at debug: two JSON lines per request cost the front
+        # about 2 % of its CPU at saturation (docs/benchmarks.md, run 11)
+        self._log_requests = log_requests
         self.in_flight = 0
         self.held = 0  # streams stopped by the test hook
         self.test_hooks = testhooks.enabled()  # False in production
@@ -78,8 +82,9 @@ class Streams:
         engine with prompt + delivered tokens. ``n > 1`` runs as ``n`` choices of one token
         stream each, as vLLM's own ``ParentRequest`` splits it, so each is continued alone."""
         n_prompt = len(prompt.get("prompt_token_ids") or ()) if isinstance(prompt, dict) else None
-        log.info("request", request_id=request_id, prompt_tokens=n_prompt, max_tokens=sampling_params.max_tokens,
-                 n=sampling_params.n, output_kind=sampling_params.output_kind.name)
+        say = log.info if self._log_requests() else log.debug
+        say("request", request_id=request_id, prompt_tokens=n_prompt, max_tokens=sampling_params.max_tokens,
+            n=sampling_params.n, output_kind=sampling_params.output_kind.name)
         self.admission.claim_reservation()
         self.in_flight += 1
         self.idle.clear()
@@ -197,8 +202,10 @@ class Streams:
                             # (``supervisor.suspects``), so its interruption counts as a plain one
                             count = req.suspect.outputs_here if attempt else len(req.ids)
                             await self._maybe_hold(gen, req.ids, count, *hold_at)
-                    log.info("request done", request_id=request_id, attempts=attempt + 1,
-                             delivered_tokens=len(req.ids) if req.delta else None)
+                    # a request continued across a failure is always told (its parking was too)
+                    say = log.info if attempt or self._log_requests() else log.debug
+                    say("request done", request_id=request_id, attempts=attempt + 1,
+                        delivered_tokens=len(req.ids) if req.delta else None)
                     return
                 except Interrupted:
                     pass

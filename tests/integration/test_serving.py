@@ -36,7 +36,8 @@ def daemon(tmp_path_factory, notify_socket, home):
     # as on a new machine: no Ray token anywhere (the test run's own is not passed on)
     env = {"NOTIFY_SOCKET": notify_socket[0], "WATCHDOG_USEC": "2000000", "HOME": str(home)}
     with Daemon(tmp_path_factory.mktemp("tp1"), {"engine": {"tensor_parallel_size": 1}}, env=env,
-                shared_data_dir=False, args=("--enable-auto-tool-choice", "--tool-call-parser", "hermes")).start() as d:
+                shared_data_dir=False, args=("--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                                             "--enable-log-requests")).start() as d:
         d.wait_ready()
         yield d
 
@@ -416,6 +417,8 @@ def test_log_lines_are_json_with_state_and_generation(daemon):
     lines = daemon.log_lines()
     assert lines, "no JSON log lines"
     assert all("state" in l and "generation" in l for l in lines)
+    # a line per request, as `vllm serve` logs requests: with vLLM's --enable-log-requests (this
+    # module's daemon has it; without it they are debug lines: tests/unit/test_supervisor_fake_engine.py)
     requests = [l for l in lines if l["event"] == "request"]
     assert requests and all(l["request_id"] for l in requests)
 

@@ -948,3 +948,49 @@ def test_the_signal_handlers_it_replaced_are_put_back_at_exit(tmp_path):
     finally:
         for s, handler in before.items():
             signal.signal(s, handler)
+
+
+class Said:
+    """Stands in for a module's structlog logger: records (level, event) of each line."""
+
+    def __init__(self):
+        self.lines: list[tuple[str, str]] = []
+
+    def __getattr__(self, level):
+        return lambda event, *args, **kw: self.lines.append((level, event))
+
+
+@pytest.mark.parametrize("enable_log_requests", [False, True])
+def test_a_line_per_request_at_info_only_with_vllms_enable_log_requests(tmp_path, monkeypatch, enable_log_requests):
+    """As ``vllm serve`` logs requests: a plain request's two lines are info only with
+    ``--enable-log-requests``, else debug (no cost at the default level); a request continued
+    across a failure always ends with an info line, as its parking began with one."""
+    import supervisor.stream as stream_mod
+
+    said = Said()
+    monkeypatch.setattr(stream_mod, "log", said)
+
+    async def scenario():
+        sup = FakeSupervisor(settings(tmp_path))
+        sup.builder.engine_args.enable_log_requests = enable_log_requests
+        owner = asyncio.create_task(sup.run())
+        await wait_for(lambda: sup.state is State.READY)
+        assert await collect(sup, [1, 2, 3], 5) == reference([1, 2, 3], 5)
+        plain = list(said.lines)
+        said.lines.clear()
+
+        def kill_at_3(n):
+            if n == 3:
+                sup.engines[0].die()
+                sup.post(EngineFailed(1, "worker_death", "rank 0 killed"))
+
+        assert await collect(sup, [4, 5], 8, kill_at_3) == reference([4, 5], 8)
+        sup.post(SignalReceived(signal.SIGTERM))
+        assert await owner == 0
+        return plain, said.lines
+
+    plain, continued = run(scenario())
+    level = "info" if enable_log_requests else "debug"
+    assert plain == [(level, "request"), (level, "request done")]
+    assert (level, "request") in continued and ("info", "request parked") in continued
+    assert ("info", "request done") in continued
