@@ -147,7 +147,8 @@ def measure(server, work: Path, name: str, head: RayHead, args) -> dict:
     tokens = max(1, result["total_output_tokens"])
     by_part: dict[str, float] = {}
     for p in after:
-        by_part[part_of(p, server.proc.pid)] = by_part.get(part_of(p, server.proc.pid), 0.0) + after[p] - before.get(p, 0.0)
+        part = part_of(p, server.proc.pid)
+        by_part[part] = by_part.get(part, 0.0) + after[p] - before.get(p, 0.0)
     for part in PARTS:
         result[f"cpu_ms_per_token_{part}"] = 1000 * by_part.get(part, 0.0) / tokens
     # At the same throughput, a server whose front admits requests sooner runs larger engine

@@ -159,7 +159,7 @@ class EngineProbe:
                 return None
             log.warning("engine starved of CPU past its grace: judged hung", replica=replica, starved_s=round(starved_s, 1))
             return f"; its threads starved of CPU for {starved_s:.0f} s, past hang_starved_grace_s"
-        last = self.starvation.since(replica, gen.number)
+        last = self.starvation.last_seen(replica, gen.number)
         if not last:
             return ""
         if now - last < cfg.hang_timeout_s:

@@ -95,7 +95,7 @@ class Episodes:
         episode = self._by_replica.get(replica)
         return episode if episode is not None and episode.generation == generation else None
 
-    def since(self, replica: int, generation: int) -> float:
+    def last_seen(self, replica: int, generation: int) -> float:
         """When ``generation`` was last seen starved (0.0: not in this episode)."""
         episode = self._of(replica, generation)
         return episode.last if episode is not None else 0.0
