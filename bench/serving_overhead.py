@@ -127,6 +127,29 @@ def part_of(pid: int, root: int) -> str:
     return "rest"
 
 
+def process_name(pid: int) -> str:
+    """A short name for one of the rest's processes: a Ray process's title (``raylet``,
+    ``ray::IDLE``), a Python module run with ``-m`` (``executor.reaper``), else the program."""
+    from executor import procfs
+
+    argv = [a.decode(errors="replace") for a in (procfs.read(pid, "cmdline") or b"").split(b"\0") if a]
+    if not argv:
+        return "?"
+    if " " in argv[0] and not argv[0].startswith("/"):  # a title (``vllm-supervisor: ray agent``)
+        return argv[0][:48]
+    program = argv[0].split(" ")[0].rsplit("/", 1)[-1]
+    if program.startswith("python"):
+        args = iter(argv[1:])
+        for arg in args:
+            if arg == "-m":
+                return next(args, program)
+            if arg == "-c":
+                return f"{program} -c"
+            if not arg.startswith("-"):
+                return arg.rsplit("/", 1)[-1]
+    return program
+
+
 def generation(server) -> int | None:
     """The daemon's serving engine generation (None for ``vllm serve``): a fresh server's
     counters pass the warm-up's soon after a rebuild, so a round is judged by this too."""
@@ -146,11 +169,17 @@ def measure(server, work: Path, name: str, head: RayHead, args) -> dict:
     cpu = sum(after[p] - before.get(p, 0.0) for p in after)
     tokens = max(1, result["total_output_tokens"])
     by_part: dict[str, float] = {}
+    rest: dict[str, float] = {}  # the rest, by process name: what it is made of
     for p in after:
         part = part_of(p, server.proc.pid)
         by_part[part] = by_part.get(part, 0.0) + after[p] - before.get(p, 0.0)
+        if part == "rest":
+            name = process_name(p)
+            rest[name] = rest.get(name, 0.0) + after[p] - before.get(p, 0.0)
     for part in PARTS:
         result[f"cpu_ms_per_token_{part}"] = 1000 * by_part.get(part, 0.0) / tokens
+    result["cpu_ms_per_token_rest_by_process"] = {
+        name: round(1000 * s / tokens, 4) for name, s in sorted(rest.items(), key=lambda kv: -kv[1])}
     # At the same throughput, a server whose front admits requests sooner runs larger engine
     # steps, each longer: ITL per chunk then rises with the batch, not with a per-token cost.
     # vLLM's counters start again with a new engine: a round in which the daemon rebuilt its
@@ -221,6 +250,9 @@ def report(r: int, kind: str, result: dict) -> dict:
           f"{result['cpu_ms_per_token']:.2f} CPU-ms/token, {result['chunks_per_request']:.1f} chunks/request, "
           + ("its engine was rebuilt in this round" if result["engine_restarted"] else
              f"{result['tokens_per_step']:.2f} tokens/step, {result['step_ms']:.2f} ms/step"), flush=True)
+    rest = result.get("cpu_ms_per_token_rest_by_process", {})
+    print("  CPU-ms/token by part: " + ", ".join(f"{p} {result[f'cpu_ms_per_token_{p}']:.3f}" for p in PARTS)
+          + "; the rest: " + ", ".join(f"{name} {ms:.4f}" for name, ms in list(rest.items())[:6]), flush=True)
     return result
 
 
@@ -296,10 +328,20 @@ def main() -> int:
             f"{x['cpu_ms_per_token']:.2f}{' (its engine was rebuilt in this round)' if x.get('engine_restarted') else ''}"
             for x in (runs[k][i] for k in kinds)) + " |" for i in range(args.rounds)],
     ]
+    rest = {k: [x.get("cpu_ms_per_token_rest_by_process", {}) for x in runs[k]] for k in kinds}
+    names = sorted({n for k in kinds for r in rest[k] for n in r},
+                   key=lambda n: -max(statistics.median([r.get(n, 0.0) for r in rest[k]] or [0.0]) for k in kinds))
+    table += [
+        "", "The rest by process (CPU-ms per output token, median of the rounds):", "",
+        "| process | " + " | ".join(LABELS[k] for k in kinds) + " |", "| --- | " + " | ".join("---" for _ in kinds) + " |",
+        *[f"| {n} | " + " | ".join(f"{statistics.median([r.get(n, 0.0) for r in rest[k]] or [0.0]):.4f}" for k in kinds)
+          + " |" for n in names[:12]],
+    ]
     text = "\n".join(table) + "\n"
     name = ("serving_saturation" if args.saturation else "serving_overhead") + ("_interleaved" if args.interleave else "")
     (args.out / f"{name}.md").write_text(text)
-    (args.out / f"{name}.json").write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "rows": rows}, indent=2))
+    (args.out / f"{name}.json").write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "rows": rows,
+                                                         "rest_by_process": rest}, indent=2))
     print(text)
     return 0
 
