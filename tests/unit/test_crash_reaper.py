@@ -16,7 +16,7 @@ import uuid
 from pathlib import Path
 
 
-from executor.reaper import descendants, process_table, read_pids, reap, start_time
+from executor.reaper import descendants, last_pid, process_table, read_pids, reap, start_time
 from supervisor import crashrecord
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,6 +33,10 @@ STAND_IN = textwrap.dedent("""
     subprocess.Popen(["sleep", "301"])
     Path("/dev/shm/" + sys.argv[2]).write_bytes(b"ring")
     print("up", flush=True)
+    if sys.argv[3] == "late":  # a child started after a quiet while
+        sys.stdin.readline()
+        subprocess.Popen(["sleep", "302"])
+        print("spawned", flush=True)
     if sys.argv[3] == "clean":
         sys.stdin.readline()
         record.close_clean()
@@ -73,6 +77,33 @@ def test_sigkill_of_the_daemon_takes_its_process_tree_and_shared_memory(tmp_path
     wait_for(lambda: not crashrecord.pids_path(record, proc.pid).exists(), what="the pids file to go")
     # the record stays: the next daemon on this port sees that its predecessor crashed
     assert crashrecord.read_predecessor(record).pid == proc.pid
+
+
+def test_a_process_started_after_a_quiet_while_is_snapshotted_and_reaped(tmp_path):
+    """The reaper reads the process table only when a pid was given out since its last read
+    (``last_pid``): a child started after seconds of quiet is in the next snapshot all the same."""
+    before = last_pid()
+    subprocess.run(["true"], check=True)
+    assert last_pid() not in (None, before)
+    proc, record, segment = start_stand_in(tmp_path, "late")
+    tree = descendants(proc.pid)
+    try:
+        time.sleep(2.0)  # quiet: the reaper's checks read /proc/loadavg alone
+        proc.stdin.write(b"go\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == b"spawned"
+        tree = descendants(proc.pid)
+        assert len(tree) == 5  # the reaper, 1 child + its sleep, 1 sleep, the late sleep
+        wait_for(lambda: len(read_pids(crashrecord.pids_path(record, proc.pid))) >= 4, timeout_s=3.0,
+                 what="the late child in the reaper's snapshot")
+        proc.kill()
+        proc.wait()
+        wait_for(lambda: all(start_time(pid) != st for pid, st in tree), what="the tree to be reaped")
+        wait_for(lambda: not Path("/dev/shm", segment).exists(), what="the segment to be removed")
+    finally:  # a failure leaves nothing either
+        proc.kill()
+        reap(tree)
+        Path("/dev/shm", segment).unlink(missing_ok=True)
 
 
 def test_a_clean_stop_leaves_everything_to_the_daemon(tmp_path):
