@@ -122,11 +122,11 @@ class EngineProbe:
                     # Once more after the loop ran a while: a daemon loop that was itself held up
                     # has step reports queued for it, which must be read before anything is hung.
                     # Across that wait, whether the engine's threads waited for a CPU.
-                    threads_before = await asyncio.to_thread(sample, gen.local_pids)
+                    threads_before = await asyncio.to_thread(sample, gen.local_procs)
                     await asyncio.sleep(CONFIRM_S)
                     problem = None if view.held() else stalled(gen, view.cfg.hang_timeout_s, since=view.released_monotonic)
                     if problem is not None and not gen.failed and gen is self._current(rep.index) and view.ready():
-                        share = starved_share(threads_before, await asyncio.to_thread(sample, gen.local_pids))
+                        share = starved_share(threads_before, await asyncio.to_thread(sample, gen.local_procs))
                         note = self._starved(rep.index, gen, share)
                         if note is None:
                             continue  # starved of CPU (or just now): not hung (yet)

@@ -41,14 +41,20 @@ class Sample:
     at: float = field(default_factory=time.monotonic)
 
 
-def sample(pids: Iterable[int]) -> Sample:
-    """Each thread of ``pids`` now. Threads (and processes) that cannot be read are left out:
-    gone, or not on this host. Reads ``/proc`` only (two small files per thread)."""
+def sample(procs: Iterable[tuple[int, int | None]]) -> Sample:
+    """Each thread of ``procs`` (pid, start time in clock ticks since boot, or None: not
+    checked) now. A process whose start time differs is another one on a pid reused since it
+    was recorded, and is left out, as are threads (and processes) that cannot be read: gone, or
+    not on this host. Reads ``/proc`` only (two small files per thread, one per process)."""
     out = Sample()
-    for pid in pids:
+    for pid, start in procs:
         try:
+            if start is not None:
+                with open(f"/proc/{pid}/stat", "rb") as fh:
+                    if int(fh.read().rsplit(b")", 1)[1].split()[19]) != start:
+                        continue
             tids = os.listdir(f"/proc/{pid}/task")
-        except OSError:
+        except (OSError, IndexError, ValueError):
             continue
         for tid in tids:
             try:

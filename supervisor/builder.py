@@ -144,12 +144,18 @@ class EngineBuilder:
         cfg = self.settings.supervisor
         return Generation(number, instance_id, engine, shm_before, build_s, replica=replica, epoch=epoch, steps=steps,
                           first_steps=cfg.hang_first_steps, first_steps_timeout_s=cfg.first_steps_timeout(is_cpu_platform()),
-                          local_pids=self.local_pids(engine, instance_id))
+                          local_procs=self.local_procs(engine, instance_id))
 
-    def local_pids(self, engine: Any, instance_id: str) -> list[int]:
-        """The engine's processes on this host: its engine core, and its workers (the ``mp``
-        executor's children, or the Ray actors on this node). Asked once, here, off the event
-        loop: the probe reads only ``/proc`` of these (``health.starvation``)."""
+    def local_procs(self, engine: Any, instance_id: str) -> list[tuple[int, int | None]]:
+        """The engine's processes on this host, (pid, start time): its engine core, and its
+        workers (the ``mp`` executor's children, or the Ray actors on this node). Asked once,
+        here, off the event loop: the probe reads only ``/proc`` of these (``health.starvation``),
+        and the start time keeps it from reading another process on a pid reused since."""
+        from executor.procfs import start_time
+
+        return [(pid, start) for pid in self._local_pids(engine, instance_id) if (start := start_time(pid)) is not None]
+
+    def _local_pids(self, engine: Any, instance_id: str) -> list[int]:
         from executor.engine import engine_core_pids, engine_worker_pids
         from executor.procfs import read
 

@@ -62,8 +62,9 @@ class Generation:
     epoch: int = 0  # the engine arguments it was built with (EngineBuilder.config_epoch: +1 per reload that changed them)
     last_output_monotonic: float = field(default_factory=time.monotonic)  # its last token
     steps: Any = None  # executor.steps.StepClock: its last engine step (the probe's hang check)
-    # its engine core and workers on this host: the probe reads whether they starve (health.starvation)
-    local_pids: list[int] = field(default_factory=list)
+    # its engine core and workers on this host, (pid, start time): the probe reads whether they
+    # starve (health.starvation); a pid reused since by another process is not read
+    local_procs: list[tuple[int, int | None]] = field(default_factory=list)
     # its first ``first_steps`` steps are judged by ``first_steps_timeout_s`` (a kernel compiled
     # on first use runs inside a step; ``SupervisorSettings.first_steps_timeout``)
     first_steps: int = 0

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from executor.procfs import start_time
 from health.starvation import STARVED_SHARE, Episodes, Sample, sample, starved_share
 
 BUSY = "import os, sys; os.sched_setaffinity(0, {int(sys.argv[1])}); print('on', flush=True)\nwhile True: pass"
@@ -26,9 +27,9 @@ def spawn(code: str, *args: str) -> subprocess.Popen:
 
 
 def share_over(pids: list[int], window_s: float = 0.5) -> float:
-    before = sample(pids)
+    before = sample([(p, None) for p in pids])
     time.sleep(window_s)
-    return starved_share(before, sample(pids))
+    return starved_share(before, sample([(p, None) for p in pids]))
 
 
 @pytest.fixture
@@ -70,7 +71,10 @@ def at(threads: dict, t: float) -> Sample:
 
 def test_the_share_from_two_samples():
     r, s = b"R", b"S"
-    assert sample([2**22 + 1]).threads == {}  # no such process (above the default pid_max)
+    assert sample([(2**22 + 1, None)]).threads == {}  # no such process (above the default pid_max)
+    me = os.getpid()
+    assert sample([(me, start_time(me))]).threads  # this process, as recorded
+    assert sample([(me, start_time(me) + 1)]).threads == {}  # another process on a reused pid
     assert starved_share(at({}, 0), at({}, 0.2)) == 0.0
     assert starved_share(at({1: (r, 0)}, 0), at({1: (r, 5 * 10**7)}, 0.2)) == pytest.approx(0.75)  # ran 50 of 200 ms
     assert starved_share(at({1: (r, 0)}, 0), at({1: (s, 0)}, 0.2)) == 0.0  # asleep at the end: not waiting for a CPU
