@@ -145,6 +145,9 @@ def process_name(pid: int) -> str:
                 return next(args, program)
             if arg == "-c":
                 return f"{program} -c"
+            if arg in ("-X", "-W", "--check-hash-based-pycs"):  # an option with a value
+                next(args, None)
+                continue
             if not arg.startswith("-"):
                 return arg.rsplit("/", 1)[-1]
     return program
@@ -174,12 +177,12 @@ def measure(server, work: Path, name: str, head: RayHead, args) -> dict:
         part = part_of(p, server.proc.pid)
         by_part[part] = by_part.get(part, 0.0) + after[p] - before.get(p, 0.0)
         if part == "rest":
-            name = process_name(p)
-            rest[name] = rest.get(name, 0.0) + after[p] - before.get(p, 0.0)
+            title = process_name(p)
+            rest[title] = rest.get(title, 0.0) + after[p] - before.get(p, 0.0)
     for part in PARTS:
         result[f"cpu_ms_per_token_{part}"] = 1000 * by_part.get(part, 0.0) / tokens
     result["cpu_ms_per_token_rest_by_process"] = {
-        name: round(1000 * s / tokens, 4) for name, s in sorted(rest.items(), key=lambda kv: -kv[1])}
+        title: round(1000 * s / tokens, 4) for title, s in sorted(rest.items(), key=lambda kv: -kv[1])}
     # At the same throughput, a server whose front admits requests sooner runs larger engine
     # steps, each longer: ITL per chunk then rises with the batch, not with a per-token cost.
     # vLLM's counters start again with a new engine: a round in which the daemon rebuilt its

@@ -130,10 +130,11 @@ def write_pids(path: Path | None, procs: set[Proc]) -> None:
 
 def last_pid() -> int | None:
     """The pid the kernel gave out last in this pid namespace (``/proc/loadavg``'s fifth field):
-    unchanged, no process or thread was started since. None when it cannot be read."""
+    unchanged, no process or thread was started since. None when it cannot be read or means
+    nothing (gVisor's ``/proc/loadavg`` always says 0)."""
     try:
         with open("/proc/loadavg", "rb") as fh:
-            return int(fh.read().split()[4])
+            return int(fh.read().split()[4]) or None
     except (OSError, IndexError, ValueError):
         return None
 
@@ -155,9 +156,14 @@ def watch(daemon_pid: int, daemon_start: int, pids_file: Path | None, stream=Non
     clean = False
     me = os.getpid()
     scanned: tuple[int | None, float] = (None, 0.0)  # the last pid given out, and when, at the last read
+    again = True  # read once more at the next tick
     while True:
         pid_now = last_pid()  # before the read: a process started during it is read next time
-        if pid_now is None or pid_now != scanned[0] or time.monotonic() - scanned[1] >= RESCAN_S:
+        changed = pid_now is None or pid_now != scanned[0]
+        if changed or again or time.monotonic() - scanned[1] >= RESCAN_S:
+            # the kernel gives out a pid a moment before its process shows in /proc: after a
+            # change, the table is read at the next tick too
+            again = changed
             scanned = (pid_now, time.monotonic())
             table = process_table()
             now = descendants(daemon_pid, table) - {(me, table.get(me, (0, 0))[1])}

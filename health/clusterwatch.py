@@ -2,16 +2,15 @@
 Ray agent that died on its own (OOM, a crash): both are a ``ClusterLost``.
 
 The daemon holds a TCP connection to the GCS address it is connected to, on its event loop,
-and opens a fresh one every ``CHECK_S``. The held connection ends the moment the GCS process
-dies (its sockets close with it: measured 20 ms), and the watch connects again at once; the
-fresh connection finds a GCS that no longer accepts without closing what it held (a host or a
-route gone). While connecting fails, it tries every ``INTERVAL_S``. A GCS that refuses or does
+and opens a fresh one every ``CHECK_S``, which it holds instead. The held connection ends the
+moment the GCS process dies (its sockets close with it: measured 20 ms), and the watch connects
+again at once; the fresh connection finds a GCS that no longer accepts without closing what it
+held (a host or a route gone). While connecting fails, it tries every ``INTERVAL_S``, and never
+connects more often than that (a proxy may accept and close at once). A GCS that refuses or does
 not accept for ``ray.gcs_lost_after_s`` on end is lost: one ``ClusterLost`` is posted to the
 owner task, which kills the Ray agent before a new GCS can answer it (``executor.rayagent``
 says why) and waits for the cluster to come back. (A connection every 0.2 s, as before, cost
-the GCS 0.5 ms of CPU each: 0.25 % of a core, idle or not.) The GCS's gRPC server closes a
-connection that sends no request after 120 s; the watch then connects again, and the new one
-is held. The watch sees the daemon only through ``health.view.WatchView``, and never calls
+the GCS 0.5 ms of CPU each: 0.25 % of a core, idle or not.) The watch sees the daemon only through ``health.view.WatchView``, and never calls
 Ray: a Ray call to a GCS that is gone blocks for up to a minute, and one in flight when a new
 GCS starts on the address aborts its process.
 """
@@ -31,9 +30,10 @@ log = structlog.get_logger("vllm_supervisor.clusterwatch")
 INTERVAL_S = 0.2  # the agent's check, and a connect while the GCS does not accept
 CHECK_S = 1.0  # a fresh connection while one is held
 CONNECT_TIMEOUT_S = 1.0
-# An outage's first failed check comes at most this long after the GCS stopped answering
-# (a GCS process that died: at once, its held connection ends).
-SEEN_LATE_S = CHECK_S + CONNECT_TIMEOUT_S
+# An outage's first failed check comes at most about this long after the GCS stopped
+# answering: the next fresh connection (CHECK_S, on the INTERVAL_S tick) and its timeout, with a
+# tick of slack for the event loop (a GCS process that died: at once, its held connection ends).
+SEEN_LATE_S = CHECK_S + 2 * INTERVAL_S + CONNECT_TIMEOUT_S
 
 
 def split_address(address: str) -> tuple[str, int] | None:
@@ -135,6 +135,10 @@ class ClusterWatch:
                 self._let_go()
             elif time.monotonic() - self.checked < CHECK_S:
                 continue
+            # never more than a connection every INTERVAL_S: a proxy in front of the GCS (a port
+            # forward, a sidecar) may accept and close at once, again and again
+            if (pause := self.checked + INTERVAL_S - time.monotonic()) > 0:
+                await asyncio.sleep(pause)
             self.checked = time.monotonic()
             self.connects += 1
             held, problem = await _connect(address, CONNECT_TIMEOUT_S)

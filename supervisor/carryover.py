@@ -40,10 +40,13 @@ class Carryover:
             params = copy.copy(params)
             params.output_kind = RequestOutputKind.DELTA
         self.params = params  # what the stream runs with (DELTA for a FINAL_ONLY request)
-        # never changed here, and vLLM's input processor works on its own deep copy (``clone``)
-        # unless the caller set ``skip_clone``: no copy of ours per request (two deep copies
-        # were 20 µs each, per request, in the front at saturation)
-        self.pristine = params
+        # The first engine is given ``params`` itself, as `vllm serve` gives it: vLLM's input
+        # processor writes to it before its own copy (``verify``: the structured-output backend
+        # it chose, the prompt logprobs' token ids as an array), so a later attempt starts from
+        # this copy, taken before any engine saw it. (One deep copy per request, ~20 µs; there
+        # were two, the first engine's too.)
+        self.pristine = copy.deepcopy(params)
+        self._given = False  # the first engine got ``params``
         self.delta = params.output_kind == RequestOutputKind.DELTA
         self.prompt, self.kwargs, self.request_id = prompt, kwargs, request_id
         self._detokenizer, self._tokenizer = detokenizer, tokenizer
@@ -77,8 +80,8 @@ class Carryover:
         """(params, prompt, kwargs) for the next engine: the request as sent while nothing
         reached the client, else its continuation. Raises ``NotContinuable``."""
         if not self.yielded and not self.ids:
-            params = copy.deepcopy(self.pristine) if getattr(self.pristine, "skip_clone", False) else self.pristine
-            return params, self.prompt, self.kwargs
+            first, self._given = not self._given, True
+            return (self.params if first else copy.deepcopy(self.pristine)), self.prompt, self.kwargs
         if not self.delta:  # a FINAL_ONLY output is only yielded at the end
             raise NotContinuable(f"output kind {self.params.output_kind.name}")
         if (reason := self._why_not(self.pristine)) is not None:

@@ -110,8 +110,11 @@ class Record:
 def fingerprint(prompt_ids: Any, params: Any) -> str:
     """A hash of a request's input: its prompt tokens and sampling parameters (not how its
     output is delivered), the same for the same request sent again. Logged instead of the prompt."""
-    keep = {k: v for k, v in sorted(vars(params).items())
-            if k not in ("output_kind", "extra_args") and not k.startswith("_")}
+    # vLLM's SamplingParams is a msgspec struct: its fields are not in ``vars()``
+    fields = getattr(type(params), "__struct_fields__", None)
+    items = {k: getattr(params, k) for k in fields} if fields is not None else vars(params)
+    keep = {k: v for k, v in sorted(items.items())
+            if k not in ("output_kind", "extra_args", "skip_clone") and not k.startswith("_")}
     extra = {k: v for k, v in sorted((getattr(params, "extra_args", None) or {}).items())
              if not k.startswith("vllm_supervisor_") and not k.startswith("supervisor_test_hold")}
     text = repr((list(prompt_ids or ()), keep, extra))

@@ -131,19 +131,17 @@ def test_cached_tokens_after_a_seam_are_the_clients_prompts_on_its_first_engine(
     assert [(o.num_cached_tokens, o.num_cache_creation_tokens) for o in read] == [(0, 3)] * len(ids)
 
 
-def test_the_first_attempt_hands_the_engine_the_clients_params_without_a_copy():
-    """vLLM's input processor works on its own deep copy of the parameters (``clone``), so the
-    first attempt passes the client's object as it is (a deep copy is 20 µs per request in the
-    front); a caller's ``skip_clone`` (vLLM then copies shallowly) gets a deep copy of ours. If
-    vLLM stops cloning, the first check here says so."""
-    import inspect
-
-    from vllm.v1.engine.input_processor import InputProcessor
-
-    assert "params.clone()" in inspect.getsource(InputProcessor.process_inputs)
+def test_the_first_engine_gets_the_clients_params_and_a_later_attempt_a_copy_from_before_it():
+    """vLLM's input processor writes to the parameters it is given before it copies them
+    (``verify``: the structured-output backend it chose, ...). The first engine gets the client's
+    object, as in `vllm serve`; a retry (nothing sent yet) and a continuation start from a copy
+    taken before any engine saw it."""
     params = SamplingParams(temperature=0, max_tokens=4, stop=["x"], output_kind=RequestOutputKind.DELTA)
     req = Carryover({"prompt_token_ids": PROMPT}, params, {}, "r", None, None)
-    assert req.next_request()[0] is params
-    shared = SamplingParams(temperature=0, max_tokens=4, stop=["x"], output_kind=RequestOutputKind.DELTA, skip_clone=True)
-    sent = Carryover({"prompt_token_ids": PROMPT}, shared, {}, "r", None, None).next_request()[0]
-    assert sent is not shared and sent.stop == shared.stop and sent.stop is not shared.stop
+    first = req.next_request()[0]
+    assert first is params
+    first.stop.append("written by the first engine")
+    first.max_tokens = 1
+    retry = req.next_request()[0]
+    assert retry is not params and retry.stop == ["x"] and retry.max_tokens == 4
+    assert req.next_request()[0] is not retry  # each retry its own copy

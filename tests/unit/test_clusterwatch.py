@@ -95,7 +95,7 @@ def test_a_dead_gcs_is_seen_at_once_and_lost_after_gcs_lost_after_s():
         assert len(view.events) == 1, view.events
         lost = view.events[0]
         # seen through the held connection's end, not at the next check (up to CHECK_S later)
-        assert lost.detected_monotonic - died < 0.1, lost.detected_monotonic - died
+        assert lost.detected_monotonic - died < 0.3, lost.detected_monotonic - died
         assert view.posted_at[0] - lost.detected_monotonic >= view.gcs_lost_after_s
 
     asyncio.run(scenario())
@@ -112,6 +112,20 @@ def test_a_gcs_that_closes_idle_connections_is_not_lost():
         await asyncio.gather(task, return_exceptions=True)
         assert not view.events and watch.down_since is None
         assert gcs.accepted >= 5  # each close was followed by a new connection at once
+        gcs.die()
+
+    asyncio.run(scenario())
+
+
+def test_a_proxy_that_accepts_and_closes_at_once_is_not_hammered():
+    async def scenario():
+        gcs = Gcs(close_after_s=0.0)
+        view = View(await gcs.start())
+        task = asyncio.create_task(ClusterWatch(view).run())
+        await asyncio.sleep(2.0)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        assert gcs.accepted <= 11, gcs.accepted  # a connection per INTERVAL_S at most
         gcs.die()
 
     asyncio.run(scenario())

@@ -84,6 +84,12 @@ def test_the_fingerprint_is_the_input_not_how_it_is_delivered():
     assert fingerprint([1, 2, 4], whole) != fingerprint([1, 2, 3], whole)
     assert fingerprint([1, 2, 3], SamplingParams(temperature=0, max_tokens=10)) != fingerprint([1, 2, 3], whole)
     assert len(fingerprint([1], whole)) == 16
+    # the parameters count, not only the prompt and extra_args (vLLM's params are a msgspec
+    # struct, whose fields ``vars()`` does not list)
+    assert fingerprint([1, 2, 3], SamplingParams(temperature=0, max_tokens=9)) != \
+        fingerprint([1, 2, 3], SamplingParams(temperature=0.7, max_tokens=9))
+    assert fingerprint([1, 2, 3], SamplingParams(seed=1, max_tokens=9)) != fingerprint([1, 2, 3], SamplingParams(seed=2, max_tokens=9))
+    assert fingerprint([1, 2, 3], SamplingParams(seed=1, max_tokens=9)) == fingerprint([1, 2, 3], SamplingParams(seed=1, max_tokens=9))
 
 
 def test_the_quarantine_forgets_after_its_window_and_beyond_its_size():
