@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from executor import procfs
+
 # A thread runnable at both ends of the window that ran for less than this share of it:
 # starved. 0.75: one that shares its core with one other busy thread (half each) is not.
 STARVED_SHARE = 0.75
@@ -49,10 +51,8 @@ def sample(procs: Iterable[tuple[int, int | None]]) -> Sample:
     out = Sample()
     for pid, start in procs:
         try:
-            if start is not None:
-                with open(f"/proc/{pid}/stat", "rb") as fh:
-                    if int(fh.read().rsplit(b")", 1)[1].split()[19]) != start:
-                        continue
+            if start is not None and procfs.start_time(pid) != start:
+                continue
             tids = os.listdir(f"/proc/{pid}/task")
         except (OSError, IndexError, ValueError):
             continue
