@@ -34,6 +34,7 @@ Without ``--interleave`` only one server is up at a time, which is what the ``mp
 from __future__ import annotations
 
 import json
+import random
 import statistics
 import tempfile
 import time
@@ -68,6 +69,9 @@ LABELS = {"vllm_serve": "vllm serve", "daemon": "daemon (defaults)", "daemon_sta
 # Each daemon is compared with `vllm serve` on the same executor: supervision's own cost is the
 # difference within each pair (Ray V2 with our executor class on the same Ray head; vLLM's `mp`).
 BASELINE = {"daemon": "vllm_serve", "daemon_standby_none": "vllm_serve", "daemon_mp": "vllm_serve_mp"}
+# `vllm serve` without --distributed-executor-backend is `mp` here: vLLM's CPU platform turns its
+# TP=1 default (`uni`, the model in the engine-core process) into `mp`, since OpenMP's binding is
+# set up for a worker process (vllm/platforms/cpu.py). On a GPU host it stays `uni`.
 
 
 def start(kind: str, work: Path, head: RayHead, extra: tuple[str, ...] = ()):
@@ -108,6 +112,28 @@ def engine_steps(base_url: str) -> tuple[float, float]:
 
 
 PARTS = ("front", "engine_core", "workers", "rest")
+# Issue 42's goals for each daemon against `vllm serve` on the same executor (median ratio of the rounds)
+GOALS = {"output_throughput": (">=", 0.98), "cpu_ms_per_token": ("<=", 1.02), "p50_ttft_ms": ("<=", 1.05),
+         "p50_itl_ms": ("<=", 1.05)}
+
+
+def median_interval(values: list[float], level: float = 0.9, reps: int = 4000) -> tuple[float, float]:
+    """A bootstrap interval of the median of ``values`` (the rounds resampled with replacement,
+    a fixed seed): how far this run's median could move on the same machine's noise."""
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(reps))
+    return medians[int((1 - level) / 2 * reps)], medians[int((1 + level) / 2 * reps) - 1]
+
+
+def verdict(values: list[float], op: str, goal: float) -> str:
+    """Whether the median ratio meets ``goal``, and whether this run tells: a goal the whole
+    interval meets (or misses) is resolved; otherwise the run's noise spans it."""
+    if not values:
+        return "n/a"
+    lo, hi = median_interval(values)
+    ok = (lambda x: x >= goal) if op == ">=" else (lambda x: x <= goal)
+    told = ok(lo) == ok(hi)
+    return ("met" if ok(statistics.median(values)) else "missed") + ("" if told else " (within the run's noise)")
 
 
 def part_of(pid: int, root: int) -> str:
@@ -323,6 +349,21 @@ def main() -> int:
                      + " | ".join(spread(row[f"ratios_{k}"]) for k in daemons) + " | "
                      + " | ".join(f"{statistics.median([x for x in row[k] if x is not None] or [float('nan')]):.2f}"
                                   for k in kinds) + " |")
+    by_key = {row["key"]: row for row in rows}
+    goals = {k: {key: {"median": statistics.median(by_key[key][f"ratios_{k}"]) if by_key[key][f"ratios_{k}"] else None,
+                       "interval_90": median_interval(by_key[key][f"ratios_{k}"]) if by_key[key][f"ratios_{k}"] else None,
+                       "goal": f"{op} {goal}", "verdict": verdict(by_key[key][f"ratios_{k}"], op, goal)}
+                 for key, (op, goal) in GOALS.items()} for k in daemons}
+    table += [
+        "", "Issue 42's goals, median ratio of the rounds with a 90 % bootstrap interval of that median (the rounds "
+        "resampled): a goal is resolved when the whole interval is on one side of it.", "",
+        "| metric | goal | " + " | ".join(f"{LABELS[k]} / {LABELS[BASELINE[k]]}" for k in daemons) + " |",
+        "| --- | --- | " + " | ".join("---" for _ in daemons) + " |",
+        *[f"| {by_key[key]['metric']} | {op} {goal} | " + " | ".join(
+            (f"{g['median']:.3f} ({g['interval_90'][0]:.3f}–{g['interval_90'][1]:.3f}): {g['verdict']}"
+             if g["median"] is not None else "n/a") for g in (goals[k][key] for k in daemons)) + " |"
+          for key, (op, goal) in GOALS.items()],
+    ]
     table += [
         "", "Each round (request/s, output tok/s, TTFT p50 ms, ITL p50 ms, CPU-ms per token):", "",
         "| round | " + " | ".join(LABELS[k] for k in kinds) + " |", "| --- | " + " | ".join("---" for _ in kinds) + " |",
@@ -344,7 +385,7 @@ def main() -> int:
     name = ("serving_saturation" if args.saturation else "serving_overhead") + ("_interleaved" if args.interleave else "")
     (args.out / f"{name}.md").write_text(text)
     (args.out / f"{name}.json").write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "rows": rows,
-                                                         "rest_by_process": rest}, indent=2))
+                                                         "goals": goals, "rest_by_process": rest}, indent=2))
     print(text)
     return 0
 
