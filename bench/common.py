@@ -119,8 +119,10 @@ def start_daemon(workdir: Path, head: RayHead, tp: int = 1, max_model_len: int =
                  extra: tuple[str, ...] = (), **supervisor: Any) -> Daemon:
     config = {"engine": {"tensor_parallel_size": tp, "max_model_len": max_model_len, "executor": executor},
               "ray": {"address": head.address}, "supervisor": supervisor}
-    # the same front-end flag as VllmServe: vLLM's access log off in both
-    return Daemon(workdir, config, env=OPERATOR_ENV, args=("--disable-uvicorn-access-log", *extra)).start()
+    # the same front-end flag as VllmServe: vLLM's access log off in both; in a session of its
+    # own, as VllmServe starts `vllm serve`, so the kernel's autogroups weigh both alike against
+    # the benchmark client (in this process's session)
+    return Daemon(workdir, config, env=OPERATOR_ENV, args=("--disable-uvicorn-access-log", *extra), own_session=True).start()
 
 
 def bench_serve(base_url: str, result_dir: Path, name: str, num_prompts: int, rate: float, input_len: int,

@@ -102,7 +102,7 @@ def run_policy(work: Path, head: RayHead, policy: str, args) -> dict[str, Any]:
     config = {"engine": {"max_model_len": 1024}, "ray": {"address": head.address},
               "supervisor": {"routing": policy}}
     flags = ("--data-parallel-size", "2", "--enable-prompt-tokens-details", "--disable-uvicorn-access-log")
-    with Daemon(work, config, env=OPERATOR_ENV, args=flags).start() as daemon:
+    with Daemon(work, config, env=OPERATOR_ENV, args=flags, own_session=True).start() as daemon:
         daemon.wait_ready()
         daemon.wait_replicas_serving()
         row = measure(daemon.base_url, args)

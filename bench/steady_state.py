@@ -109,7 +109,7 @@ def vllm_serve(work: Path, tp: int, ray: bool, args) -> dict[str, Any]:
 
 def supervisor_serve(work: Path, tp: int, standby: str, args, executor: str = "ray") -> dict[str, Any]:
     config = {"engine": {"tensor_parallel_size": tp, "executor": executor}, "supervisor": {"standby": standby}}
-    with Daemon(work, config, args=("--disable-uvicorn-access-log",)).start() as daemon:
+    with Daemon(work, config, args=("--disable-uvicorn-access-log",), own_session=True).start() as daemon:
         daemon.wait_ready()
         warm_up(daemon.base_url, args.requests)
         status = daemon.wait_standby() if standby == "warm" else daemon.status()

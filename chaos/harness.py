@@ -100,8 +100,13 @@ class Daemon:
     live_markers: set[str] = set()  # of the daemons this process started and that still run
 
     def __init__(self, workdir: Path, config: dict[str, dict[str, Any]], env: dict[str, str] | None = None,
-                 shared_data_dir: bool = True, args: tuple[str, ...] = (), port: int | None = None):
+                 shared_data_dir: bool = True, args: tuple[str, ...] = (), port: int | None = None,
+                 own_session: bool = False):
         self.workdir = workdir
+        # In a session of its own, as a service or a command typed in its own shell runs: the
+        # kernel's autogroup scheduling then weighs its processes apart from whoever started it
+        # (a benchmark client: ``bench.common``), as it does a ``vllm serve`` started so.
+        self.own_session = own_session
         self.args = list(args)  # more `vllm-supervisor serve` flags (vLLM's or ours)
         self.port = port or free_port()  # a port again: the daemon that follows a crashed one
         self.marker = uuid.uuid4().hex
@@ -130,6 +135,7 @@ class Daemon:
         self.proc = subprocess.Popen(
             [str(BIN / "vllm-supervisor"), "serve", "--supervisor-config", str(self.config_path), *self.args],
             stdout=self._log, stderr=subprocess.STDOUT, env=self.env, cwd=self.workdir,
+            start_new_session=self.own_session,
         )
         return self
 
