@@ -125,15 +125,15 @@ def median_interval(values: list[float], level: float = 0.9, reps: int = 4000) -
     return medians[int((1 - level) / 2 * reps)], medians[int((1 + level) / 2 * reps) - 1]
 
 
-def verdict(values: list[float], op: str, goal: float) -> str:
-    """Whether the median ratio meets ``goal``, and whether this run tells: a goal the whole
-    interval meets (or misses) is resolved; otherwise the run's noise spans it."""
+def against_goal(values: list[float], op: str, goal: float) -> dict:
+    """The median ratio, its interval, and whether it meets ``goal`` and this run tells: a goal
+    the whole interval meets (or misses) is resolved; otherwise the run's noise spans it."""
     if not values:
-        return "n/a"
-    lo, hi = median_interval(values)
+        return {"median": None, "interval_90": None, "goal": f"{op} {goal}", "verdict": "n/a"}
+    median, (lo, hi) = statistics.median(values), median_interval(values)
     ok = (lambda x: x >= goal) if op == ">=" else (lambda x: x <= goal)
-    told = ok(lo) == ok(hi)
-    return ("met" if ok(statistics.median(values)) else "missed") + ("" if told else " (within the run's noise)")
+    verdict = ("met" if ok(median) else "missed") + ("" if ok(lo) == ok(hi) else " (within the run's noise)")
+    return {"median": median, "interval_90": (lo, hi), "goal": f"{op} {goal}", "verdict": verdict}
 
 
 def part_of(pid: int, root: int) -> str:
@@ -350,10 +350,8 @@ def main() -> int:
                      + " | ".join(f"{statistics.median([x for x in row[k] if x is not None] or [float('nan')]):.2f}"
                                   for k in kinds) + " |")
     by_key = {row["key"]: row for row in rows}
-    goals = {k: {key: {"median": statistics.median(by_key[key][f"ratios_{k}"]) if by_key[key][f"ratios_{k}"] else None,
-                       "interval_90": median_interval(by_key[key][f"ratios_{k}"]) if by_key[key][f"ratios_{k}"] else None,
-                       "goal": f"{op} {goal}", "verdict": verdict(by_key[key][f"ratios_{k}"], op, goal)}
-                 for key, (op, goal) in GOALS.items()} for k in daemons}
+    goals = {k: {key: against_goal(by_key[key][f"ratios_{k}"], op, goal) for key, (op, goal) in GOALS.items()}
+             for k in daemons}
     table += [
         "", "Issue 42's goals, median ratio of the rounds with a 90 % bootstrap interval of that median (the rounds "
         "resampled): a goal is resolved when the whole interval is on one side of it.", "",
