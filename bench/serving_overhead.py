@@ -63,7 +63,12 @@ METRICS = [
     ("chunks_per_request", "stream chunks per request after the first", "info"),
     ("tokens_per_step", "tokens per engine step (vLLM's iteration_tokens)", "info"),
     ("step_ms", "wall time per engine step (ms)", "info"),
+    ("ttft_outside_ms", "mean TTFT outside vLLM's (HTTP, tokenising, the server's own layers; ms)", "info"),
+    ("ttft_between_ms", "... on the way to the engine core and back (ms)", "info"),
+    ("ttft_queue_ms", "... waiting in the engine core for a step (ms)", "info"),
+    ("ttft_prefill_ms", "... scheduled to first token (ms)", "info"),
 ]
+TTFT_PARTS = ("ttft_outside_ms", "ttft_between_ms", "ttft_queue_ms", "ttft_prefill_ms")
 LABELS = {"vllm_serve": "vllm serve", "daemon": "daemon (defaults)", "daemon_standby_none": "daemon, standby none",
           "vllm_serve_mp": "vllm serve (mp)", "daemon_mp": "daemon (mp)"}
 # Each daemon is compared with `vllm serve` on the same executor: supervision's own cost is the
@@ -96,19 +101,45 @@ def warm_up(server, work: Path, name: str, args) -> None:
     bench_serve(server.base_url, work, f"warmup-{name}", 8, float("inf"), args.input_len, args.output_len, seed=99)
 
 
-def engine_steps(base_url: str) -> tuple[float, float]:
-    """(steps, tokens) the server's engine has run: vLLM's own ``vllm:iteration_tokens_total``
-    histogram (count, sum), which ``vllm serve`` and the daemon both export."""
+# vLLM's own histograms (sum and count) that ``vllm serve`` and the daemon both export, read before
+# and after a round: the engine steps, and where a request's time to first token goes.
+HISTOGRAMS = {"steps": "vllm:iteration_tokens_total", "ttft": "vllm:time_to_first_token_seconds",
+              "queue": "vllm:request_queue_time_seconds", "prefill": "vllm:request_prefill_time_seconds"}
+
+
+def vllm_histograms(base_url: str) -> dict[str, tuple[float, float]]:
+    """(count, sum) of each of ``HISTOGRAMS`` in the server's ``/metrics``."""
     text = httpx.get(f"{base_url}/metrics", timeout=30).text
-    steps = tokens = 0.0
+    names = {v: k for k, v in HISTOGRAMS.items()}
+    found = {k: [0.0, 0.0] for k in HISTOGRAMS}
     for family in text_string_to_metric_families(text):
-        if family.name == "vllm:iteration_tokens_total":
-            for sample in family.samples:
-                if sample.name.endswith("_count"):
-                    steps += sample.value
-                elif sample.name.endswith("_sum"):
-                    tokens += sample.value
-    return steps, tokens
+        key = names.get(family.name)
+        for sample in family.samples if key else ():
+            if sample.name.endswith("_count"):
+                found[key][0] += sample.value
+            elif sample.name.endswith("_sum"):
+                found[key][1] += sample.value
+    return {k: (c, s) for k, (c, s) in found.items()}
+
+
+def ttft_parts(client_mean_ttft_ms: float, before: dict, after: dict) -> dict[str, float | None]:
+    """Where the mean time to first token went, from vLLM's histograms over the round:
+
+    - ``ttft_outside_ms``: the client's TTFT less vLLM's (from the request's arrival in vLLM's
+      input processor to its first output in the output processor): HTTP, parsing, tokenising,
+      and what the server does around vLLM's ``generate`` (the daemon's admission, routing, streams);
+    - ``ttft_queue_ms``, ``ttft_prefill_ms``: the engine core's own timestamps, waiting for a
+      step, and from being scheduled to the first token;
+    - ``ttft_between_ms``: the rest of vLLM's TTFT: the way to the engine core and back (ZMQ,
+      the engine core's input and output threads, the front's output handler)."""
+    def mean_ms(key):
+        count = after[key][0] - before[key][0]
+        return 1000 * (after[key][1] - before[key][1]) / count if count > 0 else None
+    ttft, queue, prefill = mean_ms("ttft"), mean_ms("queue"), mean_ms("prefill")
+    if None in (ttft, queue, prefill):
+        return {"ttft_outside_ms": None, "ttft_queue_ms": None, "ttft_prefill_ms": None, "ttft_between_ms": None}
+    return {"ttft_outside_ms": client_mean_ttft_ms - ttft, "ttft_queue_ms": queue, "ttft_prefill_ms": prefill,
+            "ttft_between_ms": ttft - queue - prefill}
 
 
 PARTS = ("front", "engine_core", "workers", "rest")
@@ -189,12 +220,13 @@ def measure(server, work: Path, name: str, head: RayHead, args) -> dict:
     """``vllm bench serve`` against ``server``, and the CPU its tree (and the Ray head's) spent."""
     pids = tree(server.proc.pid, head.marker)
     before = tree_cpu_s(pids)
-    steps_before, tokens_before = engine_steps(server.base_url)
+    histograms_before = vllm_histograms(server.base_url)
     generation_before = generation(server)
     result = bench_serve(server.base_url, work, name, args.num_prompts, args.rate, args.input_len,
                          args.output_len, seed=0, max_concurrency=args.max_concurrency)
     after = tree_cpu_s(tree(server.proc.pid, head.marker))
-    steps_after, tokens_after = engine_steps(server.base_url)
+    histograms_after = vllm_histograms(server.base_url)
+    (steps_before, tokens_before), (steps_after, tokens_after) = histograms_before["steps"], histograms_after["steps"]
     cpu = sum(after[p] - before.get(p, 0.0) for p in after)
     tokens = max(1, result["total_output_tokens"])
     by_part: dict[str, float] = {}
@@ -218,6 +250,8 @@ def measure(server, work: Path, name: str, head: RayHead, args) -> dict:
     steps = max(1.0, steps_after - steps_before)
     result["tokens_per_step"] = None if result["engine_restarted"] else (tokens_after - tokens_before) / steps
     result["step_ms"] = None if result["engine_restarted"] else 1000 * result["duration"] / steps
+    result.update(dict.fromkeys(TTFT_PARTS) if result["engine_restarted"] else
+                  ttft_parts(result["mean_ttft_ms"], histograms_before, histograms_after))
     result["cpu_s"] = cpu
     result["cpu_ms_per_token"] = 1000 * cpu / max(1, result["total_output_tokens"])
     # vLLM's collector merges the tokens a reader has not yet taken into one chunk: how many
@@ -282,6 +316,9 @@ def report(r: int, kind: str, result: dict) -> dict:
     rest = result.get("cpu_ms_per_token_rest_by_process", {})
     print("  CPU-ms/token by part: " + ", ".join(f"{p} {result[f'cpu_ms_per_token_{p}']:.3f}" for p in PARTS)
           + "; the rest: " + ", ".join(f"{name} {ms:.4f}" for name, ms in list(rest.items())[:6]), flush=True)
+    if result.get("ttft_queue_ms") is not None:
+        print(f"  mean TTFT {result['mean_ttft_ms']:.1f} ms: " + ", ".join(
+            f"{part[5:-3]} {result[part]:.1f}" for part in TTFT_PARTS), flush=True)
     return result
 
 

@@ -4,7 +4,7 @@ import json, os, sys, time, threading, tempfile
 from pathlib import Path
 sys.path.insert(0, "/work/main")
 from bench.common import VllmServe, bench_serve, tree, RayHead
-from bench.serving_overhead import start, engine_steps
+from bench.serving_overhead import start, vllm_histograms
 
 def threads(pid):
     out = {}
@@ -47,10 +47,10 @@ try:
         bench_serve(s.base_url, work/f"{i}", "warm", 8, float("inf"), 32, 64, seed=99)
         pids = tree(s.proc.pid, None)
         before = {p: threads(p) for p in pids}
-        st0 = engine_steps(s.base_url)
+        st0 = vllm_histograms(s.base_url)["steps"]
         r = bench_serve(s.base_url, work/f"{i}", "load", 300, float("inf"), 32, 64, seed=0, max_concurrency=8)
         after = {p: threads(p) for p in pids}
-        st1 = engine_steps(s.base_url)
+        st1 = vllm_histograms(s.base_url)["steps"]
         tps = (st1[1]-st0[1])/max(1, st1[0]-st0[0])
         print(f"== {kind} ({session} session) server {i} autogroup {open(f'/proc/{s.proc.pid}/autogroup').read().split()[0]} client {open('/proc/self/autogroup').read().split()[0]}: {r['request_throughput']:.1f} req/s, {tps:.2f} tokens/step", flush=True)
         for p in pids:
