@@ -5,7 +5,8 @@ under a multi-turn chat load.
 system prompts (4), ``--concurrency`` conversations at a time (8); each turn sends the whole
 history (system prompt, earlier turns and the model's own replies) through the openai SDK,
 streamed, greedy, ``--max-tokens`` tokens. The daemon runs ``--data-parallel-size 2`` (two
-replicas) on a Ray head with ``--enable-prompt-tokens-details``, once per routing policy; the
+replicas) on its own local Ray (``--ray local``, the default, as ``make run`` starts it; ``--ray head``:
+one Ray head started by the bench) with ``--enable-prompt-tokens-details``, once per routing policy; the
 alternative a user has without the daemon (issue 42), ``vllm serve --data-parallel-size 2`` (two
 engines behind vLLM's own front end, which balances them by queue length: vLLM's default mp
 backend, no Ray), runs the same load with the same flags, with vLLM's default OpenMP binding and
@@ -98,11 +99,12 @@ def measure(base_url: str, args) -> dict[str, Any]:
             "details_missing": sum(r["cached_tokens"] is None for r in requests)}
 
 
-def run_policy(work: Path, head: RayHead, policy: str, args) -> dict[str, Any]:
-    config = {"engine": {"max_model_len": 1024}, "ray": {"address": head.address},
+def run_policy(work: Path, head: RayHead | None, policy: str, args) -> dict[str, Any]:
+    config = {"engine": {"max_model_len": 1024}, "ray": {"address": head.address if head else ""},
               "supervisor": {"routing": policy}}
     flags = ("--data-parallel-size", "2", "--enable-prompt-tokens-details", "--disable-uvicorn-access-log")
-    with Daemon(work, config, env=OPERATOR_ENV, args=flags, own_session=True).start() as daemon:
+    # on its own Ray, the user's environment alone (the operator's token is the bench's head's)
+    with Daemon(work, config, env=OPERATOR_ENV if head else None, args=flags, own_session=True).start() as daemon:
         daemon.wait_ready()
         daemon.wait_replicas_serving()
         row = measure(daemon.base_url, args)
@@ -114,8 +116,8 @@ def run_policy(work: Path, head: RayHead, policy: str, args) -> dict[str, Any]:
 
 def run_vllm_dp2(work: Path, kind: str, args) -> dict[str, Any]:
     """``vllm serve --data-parallel-size 2`` with the daemon's engine settings and its access log
-    off (as ``plain_vllm_serve``): vLLM's DP coordinator and two engine processes, no Ray; the
-    daemon's idle Ray head stays up meanwhile. By default vLLM's CPU build binds each engine's
+    off (as ``plain_vllm_serve``): vLLM's DP coordinator and two engine processes, no Ray; with ``--ray head``
+    the daemon's idle Ray head stays up meanwhile. By default vLLM's CPU build binds each engine's
     OpenMP threads to the cores left after reserving one per engine on the NUMA node, here core 0
     for both; the daemon's Ray workers are not pinned. ``DP2_CORE_EACH`` gives each engine its
     own core (``VLLM_CPU_OMP_THREADS_BIND=0|1``), the setting a user would tune to."""
@@ -145,9 +147,14 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--ray", choices=("local", "head"), default="local",
+                        help="local: each daemon starts its own Ray, as `make run` and the systemd unit do, so its "
+                             "workers run in the daemon's session, as `vllm serve`'s run in its own; head: one "
+                             "Ray head started here, whose workers run in this process's session, beside the client "
+                             "(the kernel's autogroups weigh them with the client, not with the daemon)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    head = RayHead(num_cpus=2).start()
+    head = RayHead(num_cpus=2).start() if args.ray == "head" else None
     rows: list[dict[str, Any]] = []
     try:
         with tempfile.TemporaryDirectory(prefix="prefix-routing-") as tmp:
@@ -161,9 +168,10 @@ def main() -> int:
                     rows.append(row)
     finally:
         inject.disconnect()
-        head.stop()
+        if head is not None:
+            head.stop()
     lines = [f"# Prefix-aware routing, least streams and `vllm serve --data-parallel-size 2` ({time.strftime('%Y-%m-%d')}; "
-             "2 replicas of the demo model, TP=1 each: the daemon's on one Ray head, vllm serve's its own DP=2 engines, "
+             f"2 replicas of the demo model, TP=1 each: the daemon's on {'its own local Ray' if head is None else 'one Ray head'}, vllm serve's its own DP=2 engines, "
              "both on core 0 by default or one core each; "
              f"2 cores; {args.conversations} conversations × {args.turns} turns over {args.system_prompts} system prompts, "
              f"{args.concurrency} at a time, {args.max_tokens} tokens per reply)", "",
