@@ -6,7 +6,9 @@ contained here:
 
 * CPU platform: the platform's ``ray_device_key`` is ``""`` on CPU, so it is set to
   ``"CPU"``; actors ask for ``num_gpus=0`` (the placement-group bundle already
-  reserves the core); the worker reports no accelerator ids. On CUDA nothing changes.
+  reserves the core); the worker reports no accelerator ids; a lone worker's OpenMP
+  threads are bound as vLLM's ``mp`` executor binds them (``cpu_binding``). On CUDA
+  nothing changes.
 * Worker death: the monitor thread's ``shutdown()`` is where the dead ranks are still
   visible, so they are recorded there; the engine's failure callback is wrapped so
   that a typed ``WorkerDeathEvent`` goes to the supervisor first, then the engine's
@@ -93,13 +95,41 @@ def worker_niceness() -> str:
     return os.environ.get(NICENESS_VAR, "").strip() or "0"
 
 
-def set_worker_env(env_vars: dict[str, str]) -> None:
+def set_worker_env(env_vars: dict[str, str], vllm_config: Any = None) -> None:
     """What every worker actor the daemon's executors create runs with, unless already set: the
     niceness above, and on CPU no inductor (TP>1 otherwise spends ~25 s compiling a helper with
-    it on the first request)."""
+    it on the first request) and vLLM's own OpenMP binding (``cpu_binding``)."""
     env_vars.setdefault(NICENESS_VAR, worker_niceness())
     if current_platform.is_cpu():
         env_vars.setdefault("TORCH_COMPILE_DISABLE", "1")
+        for key, value in (cpu_binding(vllm_config) if vllm_config is not None else {}).items():
+            env_vars.setdefault(key, value)
+
+
+def cpu_binding(vllm_config: Any) -> dict[str, str]:
+    """On a CPU host, the OpenMP settings vLLM's own ``mp`` executor starts a lone worker with
+    (``OMPProcessManager``, after ``VLLM_CPU_OMP_THREADS_BIND``, ``auto`` by default): a thread
+    per core it binds, bound to them, the cores it reserves left to the engine core and the
+    front. Ray starts a worker without them: its OpenMP pool then has a thread per core of the
+    host, unbound, spinning after each step on the cores the engine core, the front and the
+    other replicas need (two replicas on 2 cores: the workload took 22–30 s unbound, 15 s
+    bound, docs/benchmarks.md). Read in the process vLLM's executor reads it in (the engine
+    core; the daemon for a standby), from that host's cores. Empty on a GPU host, with
+    ``nobind``, and for an engine of more than one worker: vLLM binds each rank of a node to a
+    NUMA node of its own and gives up where there are fewer; Ray gives all of an engine's
+    workers one runtime env."""
+    if not current_platform.is_cpu() or vllm_config.parallel_config.world_size != 1:
+        return {}
+    from vllm.utils.ompmultiprocessing import OMPProcessManager
+
+    try:
+        manager = OMPProcessManager(vllm_config)
+        before = dict(os.environ)
+        with manager.configure_omp_envs(rank=0, local_rank=0):
+            return {k: v for k, v in os.environ.items() if before.get(k) != v}
+    except (AssertionError, RuntimeError, ValueError, IndexError) as exc:  # vLLM's own refusals
+        logger.warning("workers start without vLLM's OpenMP binding: %s", exc)
+        return {}
 
 
 class SupervisedRayExecutor(DeathReporter, _v2.RayExecutorV2):
@@ -202,7 +232,7 @@ class SupervisedRayExecutor(DeathReporter, _v2.RayExecutorV2):
 
     def _build_runtime_env(self) -> dict:
         runtime_env = super()._build_runtime_env()
-        set_worker_env(runtime_env.setdefault("env_vars", {}))
+        set_worker_env(runtime_env.setdefault("env_vars", {}), self.vllm_config)
         return runtime_env
 
     # --- names -----------------------------------------------------------------------

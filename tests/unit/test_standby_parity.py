@@ -221,6 +221,41 @@ def test_standby_options_are_vllms(vllm_config, monkeypatch, weight_transfer):
     assert ("enable_tensor_transport" in theirs) == bool(weight_transfer)
 
 
+def test_a_lone_cpu_worker_is_bound_as_vllms_mp_executor_binds_it(vllm_config, tmp_path, monkeypatch):
+    """On CPU, a worker alone in its engine gets the OpenMP settings vLLM's ``mp`` executor
+    starts its worker with (as many threads as cores vLLM picks for it, bound to them), in the
+    options vLLM's executor creates it with and in the standby's, so the standby is still
+    adopted; the daemon's own environment is left as it was. None with ``nobind``, and none for
+    an engine of two workers (vLLM would bind each to a NUMA node of its own)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.ompmultiprocessing import OMPProcessManager
+
+    from executor.adoption import option_mismatch
+    from executor.ray_v2 import SupervisedRayExecutor, cpu_binding
+    from executor.standby import worker_options
+    from supervisor.demo_model import build_demo_model
+
+    saved = dict(os.environ)
+    try:
+        lone = AsyncEngineArgs(model=str(build_demo_model(tmp_path)), distributed_executor_backend=SupervisedRayExecutor,
+                               max_model_len=256).create_engine_config()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    cores = OMPProcessManager(lone).cpu_lists[0]
+    env = cpu_binding(lone)
+    assert dict(os.environ) == saved
+    assert env["OMP_NUM_THREADS"] == str(len(cores)) and cores
+    bound = env.get("GOMP_CPU_AFFINITY") or env.get("OMP_PLACES") or env.get("KMP_AFFINITY")
+    assert bound and all(str(c) in bound for c in cores), env
+    ours, theirs = worker_options(lone), vllm_worker_options(lone)
+    assert {k: theirs["runtime_env"]["env_vars"].get(k) for k in env} == env
+    assert option_mismatch(ours, theirs) == []
+    assert cpu_binding(vllm_config) == {}  # TP=2
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    assert cpu_binding(lone) == {}
+
+
 def test_agent_creates_standbys_with_the_daemons_options(vllm_config, monkeypatch):
     """The agent's own environment does not enter: it creates the actors with the options the
     daemon computed, and hands each standby the same to report at adoption."""

@@ -1,0 +1,58 @@
+"""Daemon DP=2 (prefix, own local Ray) against vllm serve DP=2, alternating; the prefix-routing
+workload each time; CPU per process (all processes on the machine) and per busy thread over the load."""
+import os, sys, time, tempfile
+from pathlib import Path
+sys.path.insert(0, "/work/main")
+from bench.prefix_routing import measure, base_parser
+from bench.common import VllmServe
+from chaos.harness import Daemon
+parser = base_parser("x")
+for a, d in (("--conversations", 32), ("--turns", 6), ("--system-prompts", 4), ("--system-words", 60), ("--user-words", 12), ("--max-tokens", 32), ("--concurrency", 8)):
+    parser.add_argument(a, type=int, default=d)
+args = parser.parse_args(["--out", "/tmp/t/cpu"])
+def snap():
+    out = {}
+    for p in os.listdir("/proc"):
+        if not p.isdigit(): continue
+        try:
+            for tid in os.listdir(f"/proc/{p}/task"):
+                st = open(f"/proc/{p}/task/{tid}/stat").read()
+                name = st[st.index("(")+1:st.rindex(")")]; f = st[st.rindex(")")+2:].split()
+                out[(int(p), int(tid))] = (name, int(f[11]) + int(f[12]), int(f[36]))
+        except (FileNotFoundError, ProcessLookupError, ValueError):
+            pass
+    return out
+def title(pid):
+    try: return open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")[0].decode()[:45]
+    except Exception: return "?"
+def report(kind, row, a, b):
+    procs, threads = {}, []
+    for k, (name, t, cpu) in b.items():
+        d = t - a.get(k, (name, 0, 0))[1]
+        if d <= 0: continue
+        procs[k[0]] = procs.get(k[0], 0) + d
+        if d >= 30: threads.append((d, k[0], name, cpu))
+    total = sum(procs.values())
+    print(f"== {kind}: took {row['took_s']} s, hit {100*row['hit_rate']:.1f} %, TTFT p50 {row['ttft_p50_ms']:.0f} p99 {row['ttft_p99_ms']:.0f}; CPU {total/100:.1f} s over all processes", flush=True)
+    for pid, d in sorted(procs.items(), key=lambda kv: -kv[1])[:12]:
+        print(f"   {d/100:6.2f} s  {pid} {title(pid)}", flush=True)
+    print("   busy threads: " + ", ".join(f"{n}@{pid}:{d/100:.1f}s(cpu{c})" for d, pid, n, c in sorted(threads, reverse=True)[:14]), flush=True)
+for r in range(int(sys.argv[1])):
+    for kind in sys.argv[2].split(","):
+        work = Path(tempfile.mkdtemp(prefix="cpu-"))
+        if kind == "daemon":
+            config = {"engine": {"max_model_len": 1024}, "ray": {"address": ""}, "supervisor": {"routing": "prefix"}}
+            flags = ("--data-parallel-size", "2", "--enable-prompt-tokens-details", "--disable-uvicorn-access-log")
+            with Daemon(work, config, args=flags, own_session=True).start() as d:
+                d.wait_ready(); d.wait_replicas_serving()
+                a = snap(); row = measure(d.base_url, args); b = snap()
+                report(kind, row, a, b)
+                d.stop()
+        else:
+            s = VllmServe(work, None, extra=("--data-parallel-size", "2", "--enable-prompt-tokens-details")).start()
+            try:
+                s.wait_ready()
+                a = snap(); row = measure(s.base_url, args); b = snap()
+                report(kind, row, a, b)
+            finally:
+                s.stop()
