@@ -10,7 +10,8 @@ next step, and the engine core dies (measured: the client's stream gets ``Engine
 
 * CPU platform: ``ray_device_key = "CPU"``; the actors ask for no ``resources={"CPU": …}``
   (Ray refuses that key; the placement-group bundle holds the core); the worker reports no
-  accelerator ids. On CUDA nothing changes.
+  accelerator ids; a lone worker starts with vLLM's OpenMP binding (``ray_v2.cpu_binding``).
+  On CUDA nothing changes.
 * Names: the actors vLLM creates get the names the V2 executor gives its workers,
   ``vllm_Worker_<instance id>[_TP<r>][_PP<r>]`` (the generation is in the instance id, by the
   rank they were created with), so that the supervisor's teardown and tools find them.
@@ -78,8 +79,8 @@ class _NamingRay:
     """Stands in for the executor module's ``ray`` while it creates the workers: each
     ``ray.remote(...)(cls).remote(rpc_rank=r)`` gets the actor name of rank ``r``."""
 
-    def __init__(self, real: Any, name_of: Any, cpu: bool):
-        self._real, self._name_of, self._cpu = real, name_of, cpu
+    def __init__(self, real: Any, name_of: Any, cpu: bool, vllm_config: Any = None):
+        self._real, self._name_of, self._cpu, self._vllm_config = real, name_of, cpu, vllm_config
         self.created: dict[str, tuple[int, str]] = {}  # actor id -> (rank, name)
 
     def __getattr__(self, attr: str) -> Any:
@@ -88,7 +89,7 @@ class _NamingRay:
     def remote(self, *args: Any, **options: Any) -> Any:
         if args:  # the bare decorator form: not used by the executor
             return self._real.remote(*args, **options)
-        set_worker_env(options.setdefault("runtime_env", {}).setdefault("env_vars", {}))
+        set_worker_env(options.setdefault("runtime_env", {}).setdefault("env_vars", {}), self._vllm_config)
         if self._cpu:
             options.pop("resources", None)
         decorate = self._real.remote(**options)
@@ -125,7 +126,7 @@ class SupervisedCompiledGraphExecutor(DeathReporter, _cg.RayDistributedExecutor)
         p = self.parallel_config
         real = _cg.ray
         naming = _NamingRay(real, lambda r: build_actor_name(self._instance_id, r, p.tensor_parallel_size,
-                                                             p.pipeline_parallel_size, 1), cpu)
+                                                             p.pipeline_parallel_size, 1), cpu, self.vllm_config)
         _cg.ray = naming
         try:
             super()._init_executor()
