@@ -107,6 +107,9 @@ def run_policy(work: Path, head: RayHead | None, policy: str, args) -> dict[str,
     with Daemon(work, config, env=OPERATOR_ENV if head else None, args=flags, own_session=True).start() as daemon:
         daemon.wait_ready()
         daemon.wait_replicas_serving()
+        # its standby built before the run, as in a server that has been up a while: while it is
+        # built (about 40 s after the start here) its worker loads the model on the replicas' core
+        daemon.wait_standby()
         row = measure(daemon.base_url, args)
         status = daemon.status()
         code, _ = daemon.stop()
