@@ -32,6 +32,7 @@ class EngineSpec:
     use_forkserver: bool = False  # fork the engine core from the preloaded fork server
     step_clock: Any = None  # executor.steps.StepClock: stamped at every engine step
     metrics_logger: Any = None  # with replicas: executor.replica_metrics' stand-in for vLLM's Prometheus logger
+    replicas: int = 1  # the daemon's engines serving side by side (executor.ray_v2.cpu_binding)
 
 
 def is_cpu_platform() -> bool:
@@ -91,14 +92,15 @@ def build_engine(spec: EngineSpec):
     if spec.placement_group is not None:
         vllm_config.parallel_config.placement_group = spec.placement_group
     vllm_config.instance_id = spec.instance_id
+    wiring = vllm_config.additional_config[ADDITIONAL_CONFIG_KEY] = {
+        "generation": spec.generation,
+        "event_endpoint": spec.event_endpoint,
+        "replicas": spec.replicas,  # before the workers' options are made from it (start_workers)
+    }
     namespace = spec.standby_namespace
     if namespace is None and adopts and spec.start_workers is not None:
         namespace = spec.start_workers(vllm_config)
-    vllm_config.additional_config[ADDITIONAL_CONFIG_KEY] = {
-        "generation": spec.generation,
-        "event_endpoint": spec.event_endpoint,
-        "standby_namespace": namespace,
-    }
+    wiring["standby_namespace"] = namespace
     # numactl binding replaces the spawn executable: only vLLM's own start method does that.
     use_forkserver = spec.use_forkserver and not vllm_config.parallel_config.numa_bind
     with forkserver.engine_core_start_method(use_forkserver):

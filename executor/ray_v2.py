@@ -6,9 +6,9 @@ contained here:
 
 * CPU platform: the platform's ``ray_device_key`` is ``""`` on CPU, so it is set to
   ``"CPU"``; actors ask for ``num_gpus=0`` (the placement-group bundle already
-  reserves the core); the worker reports no accelerator ids; a lone worker's OpenMP
-  threads are bound as vLLM's ``mp`` executor binds them (``cpu_binding``). On CUDA
-  nothing changes.
+  reserves the core); the worker reports no accelerator ids; with replicas, each lone
+  worker's OpenMP threads are bound as vLLM's ``mp`` executor binds them under data
+  parallelism (``cpu_binding``). On CUDA nothing changes.
 * Worker death: the monitor thread's ``shutdown()`` is where the dead ranks are still
   visible, so they are recorded there; the engine's failure callback is wrapped so
   that a typed ``WorkerDeathEvent`` goes to the supervisor first, then the engine's
@@ -107,18 +107,24 @@ def set_worker_env(env_vars: dict[str, str], vllm_config: Any = None) -> None:
 
 
 def cpu_binding(vllm_config: Any) -> dict[str, str]:
-    """On a CPU host, the OpenMP settings vLLM's own ``mp`` executor starts a lone worker with
-    (``OMPProcessManager``, after ``VLLM_CPU_OMP_THREADS_BIND``, ``auto`` by default): a thread
-    per core it binds, bound to them, the cores it reserves left to the engine core and the
-    front. Ray starts a worker without them: its OpenMP pool then has a thread per core of the
-    host, unbound, spinning after each step on the cores the engine core, the front and the
-    other replicas need (two replicas on 2 cores: the workload took 22–30 s unbound, 15 s
-    bound, docs/benchmarks.md). Read in the process vLLM's executor reads it in (the engine
+    """On a CPU host serving several replicas, the OpenMP settings vLLM's own ``mp`` executor
+    starts each engine's lone worker with under ``vllm serve --data-parallel-size N``
+    (``OMPProcessManager``, after ``VLLM_CPU_OMP_THREADS_BIND``, ``auto`` by default): as many
+    threads as the cores it binds, bound to them, the cores it reserves left to the engine cores
+    and the front. Ray starts a worker with a thread per core of the host, unbound: with several
+    engines their pools oversubscribe the cores and spin beside the engine cores (two replicas on
+    2 cores: the chat workload took 22–30 s unbound, 12–19 s bound). One engine keeps Ray's pool,
+    as ``vllm serve --distributed-executor-backend ray`` runs it: bound, it lost about a fifth of its
+    capacity on 2 cores (docs/benchmarks.md). Read where vLLM's executor reads it (the engine
     core; the daemon for a standby), from that host's cores. Empty on a GPU host, with
     ``nobind``, and for an engine of more than one worker: vLLM binds each rank of a node to a
     NUMA node of its own and gives up where there are fewer; Ray gives all of an engine's
     workers one runtime env."""
-    if not current_platform.is_cpu() or vllm_config.parallel_config.world_size != 1:
+    from executor.events import ADDITIONAL_CONFIG_KEY
+
+    wiring = (getattr(vllm_config, "additional_config", None) or {}).get(ADDITIONAL_CONFIG_KEY) or {}
+    if (not current_platform.is_cpu() or vllm_config.parallel_config.world_size != 1
+            or int(wiring.get("replicas") or 1) < 2):
         return {}
     from vllm.utils.ompmultiprocessing import OMPProcessManager
 

@@ -55,12 +55,15 @@ def test_a_build_without_standby_workers_starts_its_own_once_its_config_is_made(
     args, _ = demo_front()
     given = []
 
+    replicas_seen = []
+
     def start(cfg):
         given.append(cfg)
+        replicas_seen.append(cfg.additional_config[ADDITIONAL_CONFIG_KEY]["replicas"])  # the workers' binding reads it
         return "early-ns"
 
-    cfg = built_config(monkeypatch, args, start_workers=start)
-    assert given == [cfg] and cfg.instance_id == "t-g2"
+    cfg = built_config(monkeypatch, args, start_workers=start, replicas=2)
+    assert given == [cfg] and cfg.instance_id == "t-g2" and replicas_seen == [2]
     assert cfg.additional_config[ADDITIONAL_CONFIG_KEY]["standby_namespace"] == "early-ns"
 
     cfg = built_config(monkeypatch, args, start_workers=start, standby_namespace="standby-ns")

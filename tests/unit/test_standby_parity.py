@@ -221,16 +221,18 @@ def test_standby_options_are_vllms(vllm_config, monkeypatch, weight_transfer):
     assert ("enable_tensor_transport" in theirs) == bool(weight_transfer)
 
 
-def test_a_lone_cpu_worker_is_bound_as_vllms_mp_executor_binds_it(vllm_config, tmp_path, monkeypatch):
-    """On CPU, a worker alone in its engine gets the OpenMP settings vLLM's ``mp`` executor
-    starts its worker with (as many threads as cores vLLM picks for it, bound to them), in the
-    options vLLM's executor creates it with and in the standby's, so the standby is still
-    adopted; the daemon's own environment is left as it was. None with ``nobind``, and none for
-    an engine of two workers (vLLM would bind each to a NUMA node of its own)."""
+def test_with_replicas_a_lone_cpu_worker_is_bound_as_vllms_data_parallel_binds_it(vllm_config, tmp_path, monkeypatch):
+    """On CPU with replicas, a worker alone in its engine gets the OpenMP settings vLLM's ``mp``
+    executor starts each engine's worker with (as many threads as cores vLLM picks for it, bound
+    to them), in the options vLLM's executor creates it with and in the standby's, so the standby
+    is still adopted; the daemon's own environment is left as it was. None for one replica (Ray's
+    pool, as ``vllm serve`` on Ray runs it), with ``nobind``, and for an engine of two workers
+    (vLLM would bind each to a NUMA node of its own)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.utils.ompmultiprocessing import OMPProcessManager
 
     from executor.adoption import option_mismatch
+    from executor.events import ADDITIONAL_CONFIG_KEY
     from executor.ray_v2 import SupervisedRayExecutor, cpu_binding
     from executor.standby import worker_options
     from supervisor.demo_model import build_demo_model
@@ -242,6 +244,8 @@ def test_a_lone_cpu_worker_is_bound_as_vllms_mp_executor_binds_it(vllm_config, t
     finally:
         os.environ.clear()
         os.environ.update(saved)
+    assert cpu_binding(lone) == {}  # one engine
+    lone.additional_config[ADDITIONAL_CONFIG_KEY] = {"replicas": 2}
     cores = OMPProcessManager(lone).cpu_lists[0]
     env = cpu_binding(lone)
     assert dict(os.environ) == saved
@@ -251,6 +255,7 @@ def test_a_lone_cpu_worker_is_bound_as_vllms_mp_executor_binds_it(vllm_config, t
     ours, theirs = worker_options(lone), vllm_worker_options(lone)
     assert {k: theirs["runtime_env"]["env_vars"].get(k) for k in env} == env
     assert option_mismatch(ours, theirs) == []
+    monkeypatch.setitem(vllm_config.additional_config, ADDITIONAL_CONFIG_KEY, {"replicas": 2})
     assert cpu_binding(vllm_config) == {}  # TP=2
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     assert cpu_binding(lone) == {}
