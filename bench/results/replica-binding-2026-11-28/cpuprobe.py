@@ -40,11 +40,13 @@ def report(kind, row, a, b):
 for r in range(int(sys.argv[1])):
     for kind in sys.argv[2].split(","):
         work = Path(tempfile.mkdtemp(prefix="cpu-"))
-        if kind == "daemon":
-            config = {"engine": {"max_model_len": 1024}, "ray": {"address": ""}, "supervisor": {"routing": "prefix"}}
+        if kind.startswith("daemon"):
+            config = {"engine": {"max_model_len": 1024, **({"executor": "mp"} if kind == "daemon_mp" else {})},
+                      "ray": {"address": ""}, "supervisor": {"routing": "prefix", **({"standby": "none"} if kind == "daemon_mp" else {})}}
             flags = ("--data-parallel-size", "2", "--enable-prompt-tokens-details", "--disable-uvicorn-access-log")
-            with Daemon(work, config, args=flags, own_session=True).start() as d:
-                d.wait_ready(); d.wait_replicas_serving()
+            env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"} if kind == "daemon_nobind" else None
+            with Daemon(work, config, env=env, args=flags, own_session=True).start() as d:
+                d.wait_ready(); d.wait_replicas_serving(); d.wait_standby()
                 a = snap(); row = measure(d.base_url, args); b = snap()
                 report(kind, row, a, b)
                 d.stop()
