@@ -113,7 +113,7 @@ def cpu_binding(vllm_config: Any) -> dict[str, str]:
     threads as the cores it binds, bound to them, the cores it reserves left to the engine cores
     and the front. Ray starts a worker with a thread per core of the host, unbound: with several
     engines their pools oversubscribe the cores and spin beside the engine cores (two replicas on
-    2 cores: the chat workload took 22–30 s unbound, 12–19 s bound). One engine keeps Ray's pool,
+    2 cores: the chat benchmark took 30–32 s unbound, 13 s bound). One engine keeps Ray's pool,
     as ``vllm serve --distributed-executor-backend ray`` runs it: bound, it lost about a fifth of its
     capacity on 2 cores (docs/benchmarks.md). Read where vLLM's executor reads it (the engine
     core; the daemon for a standby), from that host's cores. Empty on a GPU host, with
