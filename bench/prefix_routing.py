@@ -122,7 +122,8 @@ def run_vllm_dp2(work: Path, kind: str, args) -> dict[str, Any]:
     off (as ``plain_vllm_serve``): vLLM's DP coordinator and two engine processes, no Ray; with ``--ray head``
     the daemon's idle Ray head stays up meanwhile. By default vLLM's CPU build binds each engine's
     OpenMP threads to the cores left after reserving one per engine on the NUMA node, here core 0
-    for both; the daemon's Ray workers are not pinned. ``DP2_CORE_EACH`` gives each engine its
+    for both; the daemon binds its replicas' Ray workers the same way (``executor.ray_v2.cpu_binding``).
+    ``DP2_CORE_EACH`` gives each engine its
     own core (``VLLM_CPU_OMP_THREADS_BIND=0|1``), the setting a user would tune to."""
     server = VllmServe(work, None, extra=("--data-parallel-size", "2", "--enable-prompt-tokens-details"))
     if kind == DP2_CORE_EACH:
@@ -175,7 +176,7 @@ def main() -> int:
             head.stop()
     lines = [f"# Prefix-aware routing, least streams and `vllm serve --data-parallel-size 2` ({time.strftime('%Y-%m-%d')}; "
              f"2 replicas of the demo model, TP=1 each: the daemon's on {'its own local Ray' if head is None else 'one Ray head'}, vllm serve's its own DP=2 engines, "
-             "both on core 0 by default or one core each; "
+             "each server's models on core 0 by default (vllm serve's: or one core each); "
              f"2 cores; {args.conversations} conversations × {args.turns} turns over {args.system_prompts} system prompts, "
              f"{args.concurrency} at a time, {args.max_tokens} tokens per reply)", "",
              "| round | routing | requests | prompt tokens found cached (hit rate) | TTFT p50 (ms) | TTFT p99 (ms) | took (s) |",

@@ -137,7 +137,7 @@ def ttft_parts(client_mean_ttft_ms: float, before: dict, after: dict) -> dict[st
         return 1000 * (after[key][1] - before[key][1]) / count if count > 0 else None
     ttft, queue, prefill = mean_ms("ttft"), mean_ms("queue"), mean_ms("prefill")
     if None in (ttft, queue, prefill):
-        return {"ttft_outside_ms": None, "ttft_queue_ms": None, "ttft_prefill_ms": None, "ttft_between_ms": None}
+        return dict.fromkeys(TTFT_PARTS)
     return {"ttft_outside_ms": client_mean_ttft_ms - ttft, "ttft_queue_ms": queue, "ttft_prefill_ms": prefill,
             "ttft_between_ms": ttft - queue - prefill}
 
