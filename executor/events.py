@@ -12,12 +12,19 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import zmq
 
 # Key in ``VllmConfig.additional_config`` that carries the supervisor's wiring into the
 # engine-core process (the config object is what crosses that process boundary).
 ADDITIONAL_CONFIG_KEY = "vllm_supervisor"
+
+
+def wiring(vllm_config: Any) -> dict:
+    """The supervisor's wiring in ``vllm_config`` (``executor.engine.build_engine`` writes it):
+    empty for an engine the daemon did not build (``vllm serve`` with our executor class)."""
+    return dict((getattr(vllm_config, "additional_config", None) or {}).get(ADDITIONAL_CONFIG_KEY) or {})
 
 
 @dataclass(frozen=True)

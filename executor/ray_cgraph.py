@@ -79,7 +79,7 @@ class _NamingRay:
     """Stands in for the executor module's ``ray`` while it creates the workers: each
     ``ray.remote(...)(cls).remote(rpc_rank=r)`` gets the actor name of rank ``r``."""
 
-    def __init__(self, real: Any, name_of: Any, cpu: bool, vllm_config: Any = None):
+    def __init__(self, real: Any, name_of: Any, cpu: bool, vllm_config: Any):
         self._real, self._name_of, self._cpu, self._vllm_config = real, name_of, cpu, vllm_config
         self.created: dict[str, tuple[int, str]] = {}  # actor id -> (rank, name)
 

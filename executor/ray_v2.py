@@ -38,6 +38,7 @@ import vllm.v1.executor.ray_executor_v2 as _v2
 from vllm.platforms import current_platform
 
 from executor import canary, history, kv_reserve, resume, testhooks
+from executor.events import wiring
 from executor.reporting import CAUSE_MAX_CHARS, DeathReporter, Dead
 
 canary.bound_lost_wakeup()  # in the engine core and in every worker: both import this module
@@ -95,14 +96,14 @@ def worker_niceness() -> str:
     return os.environ.get(NICENESS_VAR, "").strip() or "0"
 
 
-def set_worker_env(env_vars: dict[str, str], vllm_config: Any = None) -> None:
+def set_worker_env(env_vars: dict[str, str], vllm_config: Any) -> None:
     """What every worker actor the daemon's executors create runs with, unless already set: the
     niceness above, and on CPU no inductor (TP>1 otherwise spends ~25 s compiling a helper with
     it on the first request) and vLLM's own OpenMP binding (``cpu_binding``)."""
     env_vars.setdefault(NICENESS_VAR, worker_niceness())
     if current_platform.is_cpu():
         env_vars.setdefault("TORCH_COMPILE_DISABLE", "1")
-        for key, value in (cpu_binding(vllm_config) if vllm_config is not None else {}).items():
+        for key, value in cpu_binding(vllm_config).items():
             env_vars.setdefault(key, value)
 
 
@@ -120,11 +121,8 @@ def cpu_binding(vllm_config: Any) -> dict[str, str]:
     ``nobind``, and for an engine of more than one worker: vLLM binds each rank of a node to a
     NUMA node of its own and gives up where there are fewer; Ray gives all of an engine's
     workers one runtime env."""
-    from executor.events import ADDITIONAL_CONFIG_KEY
-
-    wiring = (getattr(vllm_config, "additional_config", None) or {}).get(ADDITIONAL_CONFIG_KEY) or {}
     if (not current_platform.is_cpu() or vllm_config.parallel_config.world_size != 1
-            or int(wiring.get("replicas") or 1) < 2):
+            or int(wiring(vllm_config).get("replicas") or 1) < 2):
         return {}
     from vllm.utils.ompmultiprocessing import OMPProcessManager
 
@@ -147,7 +145,7 @@ class SupervisedRayExecutor(DeathReporter, _v2.RayExecutorV2):
         resume.install()  # continued requests' grammars start where they stopped
         # vLLM names the actors after instance_id while they are created; keep that value.
         self._instance_id = self.vllm_config.instance_id
-        self._standby_namespace = self._supervisor_config().get("standby_namespace")
+        self._standby_namespace = wiring(self.vllm_config).get("standby_namespace")
         self.adopted: dict[int, int] = {}  # rank -> pid of the standby it adopted
         self._claims: list[Any] = []
         if current_platform.is_cpu():
@@ -173,11 +171,6 @@ class SupervisedRayExecutor(DeathReporter, _v2.RayExecutorV2):
         # One machine-readable line for bench.recovery's phase table (wall-clock times).
         logger.info("executor timing %s", json.dumps({
             "generation": self._generation, "executor_start_unix": started, "executor_s": time.time() - started, "adopted": sorted(self.adopted)}))
-
-    def _supervisor_config(self) -> dict:
-        from executor.events import ADDITIONAL_CONFIG_KEY
-
-        return dict(self.vllm_config.additional_config.get(ADDITIONAL_CONFIG_KEY) or {})
 
     # --- standby adoption -------------------------------------------------------------
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 
-from executor.events import ADDITIONAL_CONFIG_KEY, WorkerDeathEvent, publish
+from executor.events import WorkerDeathEvent, publish, wiring
 
 # Under vLLM's logger tree: in the engine-core process vLLM's logging config (handler, level,
 # the "(EngineCore pid=…)" prefix) applies to these lines too; a logger outside it prints
@@ -33,9 +33,9 @@ class DeathReporter:
     _reported = False
 
     def _wire(self) -> None:
-        wiring = self.vllm_config.additional_config.get(ADDITIONAL_CONFIG_KEY, {})  # type: ignore[attr-defined]
-        self._generation = int(wiring.get("generation", 0))
-        self._event_endpoint = wiring.get("event_endpoint", "")
+        wired = wiring(self.vllm_config)  # type: ignore[attr-defined]
+        self._generation = int(wired.get("generation", 0))
+        self._event_endpoint = wired.get("event_endpoint", "")
         self._dead = []
         self._reported = False
 
