@@ -141,8 +141,9 @@ def medians(rows: list[dict[str, Any]]) -> dict[str, float]:
         "req_s": statistics.median(r["requests"] / r["took_s"] for r in rows)}
 
 
-def main() -> int:
-    parser = base_parser(__doc__)
+def workload_parser(doc: str | None = __doc__):
+    """The bench's argument parser: the chat workload (``measure`` reads it) and the rounds."""
+    parser = base_parser(doc)
     parser.add_argument("--conversations", type=int, default=32)
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--system-prompts", type=int, default=4)
@@ -151,6 +152,11 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=2)
+    return parser
+
+
+def main() -> int:
+    parser = workload_parser()
     parser.add_argument("--ray", choices=("local", "head"), default="local",
                         help="local: each daemon starts its own Ray, as `make run` and the systemd unit do, so its "
                              "workers run in the daemon's session, as `vllm serve`'s run in its own; head: one "

@@ -3,13 +3,10 @@ workload each time; CPU per process (all processes on the machine) and per busy 
 import os, sys, time, tempfile
 from pathlib import Path
 sys.path.insert(0, "/work/main")
-from bench.prefix_routing import measure, base_parser
+from bench.prefix_routing import measure, workload_parser
 from bench.common import VllmServe
 from chaos.harness import Daemon
-parser = base_parser("x")
-for a, d in (("--conversations", 32), ("--turns", 6), ("--system-prompts", 4), ("--system-words", 60), ("--user-words", 12), ("--max-tokens", 32), ("--concurrency", 8)):
-    parser.add_argument(a, type=int, default=d)
-args = parser.parse_args(["--out", "/tmp/t/cpu"])
+args = workload_parser().parse_args(["--out", "/tmp/t/cpu"])  # the bench's own workload
 def snap():
     out = {}
     for p in os.listdir("/proc"):

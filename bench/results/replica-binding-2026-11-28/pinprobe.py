@@ -3,13 +3,10 @@ to core 0 (taskset, all threads), alternating; the prefix-routing workload each 
 import os, subprocess, sys, time, tempfile
 from pathlib import Path
 sys.path.insert(0, "/work/main")
-from bench.prefix_routing import measure, base_parser
+from bench.prefix_routing import measure, workload_parser
 from chaos.harness import Daemon
 from executor import procfs
-parser = base_parser("x")
-for a, d in (("--conversations", 32), ("--turns", 6), ("--system-prompts", 4), ("--system-words", 60), ("--user-words", 12), ("--max-tokens", 32), ("--concurrency", 8)):
-    parser.add_argument(a, type=int, default=d)
-args = parser.parse_args(["--out", "/tmp/t/pin"])
+args = workload_parser().parse_args(["--out", "/tmp/t/pin"])  # the bench's own workload
 def workers():
     out = []
     for p in os.listdir("/proc"):
