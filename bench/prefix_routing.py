@@ -10,7 +10,9 @@ one Ray head started by the bench) with ``--enable-prompt-tokens-details``, once
 alternative a user has without the daemon (issue 42), ``vllm serve --data-parallel-size 2`` (two
 engines behind vLLM's own front end, which balances them by queue length: vLLM's default mp
 backend, no Ray), runs the same load with the same flags, with vLLM's default OpenMP binding and
-with one core per engine. The four alternate for ``--rounds`` rounds. Per kind: the prefix-cache
+with one core per engine. The four (or ``--kinds``) alternate for ``--rounds`` rounds, the order
+reversed every other round (A B, B A, ...), so that what one server leaves behind, or a machine whose
+speed drifts, is not carried by one kind alone. Per kind: the prefix-cache
 hit rate (prompt tokens the engines found cached, from each response's
 ``usage.prompt_tokens_details``: vLLM's own count per request, over all requests), the time to
 first token p50 / p99 and the throughput (requests / took).
@@ -152,6 +154,8 @@ def workload_parser(doc: str | None = __doc__):
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS),
+                        help="servers, in this order in the first round; reversed every other round")
     return parser
 
 
@@ -169,7 +173,7 @@ def main() -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="prefix-routing-") as tmp:
             for r in range(args.rounds):
-                for kind in KINDS:
+                for kind in (args.kinds if r % 2 == 0 else args.kinds[::-1]):
                     work = Path(tmp) / f"{kind}-{r}"
                     work.mkdir()
                     row = run_vllm_dp2(work, kind, args) if kind.startswith("vllm") else run_policy(work, head, kind, args)
@@ -192,11 +196,13 @@ def main() -> int:
                      f"({100 * row['hit_rate']:.1f} %) | {row['ttft_p50_ms']:.1f} | {row['ttft_p99_ms']:.1f} | {row['took_s']} |")
     lines += ["", "Medians over the rounds:", "",
               "| routing | hit rate | TTFT p50 (ms) | TTFT p99 (ms) | throughput (req/s) |", "| --- | --- | --- | --- | --- |"]
-    median = {kind: medians([r for r in rows if r["policy"] == kind]) for kind in KINDS}
+    median = {kind: medians([r for r in rows if r["policy"] == kind]) for kind in args.kinds}
     for kind, m in median.items():
         lines.append(f"| {kind} | {100 * m['hit_rate']:.1f} % | {m['ttft_p50_ms']:.1f} | {m['ttft_p99_ms']:.1f} | {m['req_s']:.2f} |")
-    ours = median["prefix"]
-    for kind in (DP2, DP2_CORE_EACH):
+    ours = median.get("prefix")
+    for kind in (DP2, DP2_CORE_EACH) if ours else ():
+        if kind not in median:
+            continue
         theirs = median[kind]
         lines.append(f"\nprefix / {kind} (medians): hit rate {ours['hit_rate'] / theirs['hit_rate']:.2f}x, "
                      f"TTFT p50 {ours['ttft_p50_ms'] / theirs['ttft_p50_ms']:.2f}x, "
