@@ -4,7 +4,8 @@ The app is vLLM's (``build_app`` + ``init_app_state``), so every endpoint and ev
 of ``vllm serve`` is there unchanged. Around it, one small ASGI layer that is ours:
 
 * ``/livez``, ``/readyz`` (``?verbose``), ``/metrics`` (vLLM's ``vllm:*`` series and ours)
-  and ``/metrics/supervisor`` (ours alone, promtool-clean) are answered in every state;
+  and ``/metrics/supervisor`` (ours alone, promtool-clean) are answered in every state, the
+  metrics rendered in a thread of their own (``_RENDER``), not on the event loop;
 * until the first engine is up (vLLM's app needs its model config) everything else is a
   503 — the same answer ``/health`` gives whenever no engine serves;
 * every 503 carries ``Retry-After`` and closes its connection (``retry_later``); request bodies over ``--max-body-bytes`` get 413;
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Iterator, Protocol
 
@@ -34,6 +36,20 @@ if TYPE_CHECKING:
 log = logs.get_logger("vllm_supervisor.http")
 
 _OURS = ("/livez", "/readyz", "/metrics", "/metrics/supervisor")
+
+# The metrics are rendered off the event loop, as `vllm serve` renders its /metrics (the
+# instrumentator's synchronous endpoint runs in a thread): vLLM's registry and the
+# supervisor's take tens of milliseconds to render under load, and on the loop every stream
+# would wait that long at each scrape. A thread of its own, so that a scrape never queues
+# behind the owner's Ray calls in asyncio's default pool (a cluster loss can hold those).
+_RENDER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-supervisor-metrics")
+
+
+def metrics_text(ours: Any, ours_only: bool) -> bytes:
+    """The text of ``/metrics`` (vLLM's ``vllm:*`` series, then the supervisor's ``ours``
+    registry) or of ``/metrics/supervisor`` (``ours`` alone)."""
+    text = generate_latest(ours)
+    return text if ours_only else generate_latest(REGISTRY) + text
 
 
 class Daemon(Dispatcher, Protocol):
@@ -288,6 +304,6 @@ class Front:
             up = self.ready
             return await _respond(send, 200 if up else 503, json.dumps(body, default=str).encode(),
                                   "application/json", [] if up else retry_later(b"5"))
-        ours = generate_latest(sup.metrics.registry)
-        body = ours if path == "/metrics/supervisor" else generate_latest(REGISTRY) + ours
+        body = await asyncio.get_running_loop().run_in_executor(
+            _RENDER, metrics_text, sup.metrics.registry, path == "/metrics/supervisor")
         return await _respond(send, 200, body, CONTENT_TYPE_LATEST)
