@@ -98,7 +98,8 @@ def start(kind: str, work: Path, head: RayHead, extra: tuple[str, ...] = ()):
 
 def warm_up(server, work: Path, name: str, args) -> None:
     """One short run, so every server is measured from a warm engine."""
-    bench_serve(server.base_url, work, f"warmup-{name}", 8, float("inf"), args.input_len, args.output_len, seed=99)
+    bench_serve(server.base_url, work, f"warmup-{name}", 8, float("inf"), args.input_len, args.output_len, seed=99,
+                client_nice=args.client_nice)
 
 
 # vLLM's own histograms (sum and count) that ``vllm serve`` and the daemon both export, read before
@@ -223,7 +224,7 @@ def measure(server, work: Path, name: str, head: RayHead, args) -> dict:
     histograms_before = vllm_histograms(server.base_url)
     generation_before = generation(server)
     result = bench_serve(server.base_url, work, name, args.num_prompts, args.rate, args.input_len,
-                         args.output_len, seed=0, max_concurrency=args.max_concurrency)
+                         args.output_len, seed=0, max_concurrency=args.max_concurrency, client_nice=args.client_nice)
     after = tree_cpu_s(tree(server.proc.pid, head.marker))
     histograms_after = vllm_histograms(server.base_url)
     (steps_before, tokens_before), (steps_after, tokens_after) = histograms_before["steps"], histograms_after["steps"]
@@ -336,6 +337,10 @@ def main() -> int:
                              "step holds that many streams in each server, so ITL is compared at equal batch")
     parser.add_argument("--input-len", type=int)
     parser.add_argument("--output-len", type=int)
+    parser.add_argument("--client-nice", type=int, default=0,
+                        help="run the benchmark client in a session of its own at this niceness (e.g. -10; root): "
+                             "on few cores the servers' spinning engine core and worker otherwise starve it, which "
+                             "a client on another host never is (0: the client in this process's session, as before)")
     parser.add_argument("--kinds", nargs="+", choices=list(LABELS), help="servers, in this order in the first round (vllm_serve first); the order is reversed every other round")
     args = parser.parse_args()
     defaults = ({"num_prompts": 400, "rate": float("inf"), "max_concurrency": 8, "input_len": 32, "output_len": 64}
@@ -375,7 +380,8 @@ def main() -> int:
         f"Serving overhead, {time.strftime('%Y-%m-%d')}: {args.rounds} "
         f"{'interleaved rounds (the servers up side by side, the order reversed every other round)' if args.interleave else 'rounds, each server alone, the order reversed every other round'}, "
         f"{args.num_prompts} prompts, "
-        f"{mode}, {args.input_len} in / {args.output_len} out tokens, TP=1, demo model on CPU, Ray V2 servers on one Ray head, mp servers without Ray",
+        f"{mode}, {args.input_len} in / {args.output_len} out tokens, TP=1, demo model on CPU, Ray V2 servers on one Ray head, mp servers without Ray"
+        + (f", the client in a session of its own at niceness {args.client_nice}" if args.client_nice else ""),
         "",
         "| metric | " + " | ".join(f"ratio {LABELS[k]} / {LABELS[BASELINE[k]]} (min / median / max)" for k in daemons) + " | "
         + " | ".join(f"{LABELS[k]} (median)" for k in kinds) + " |",
