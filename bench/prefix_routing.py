@@ -200,9 +200,7 @@ def main() -> int:
     for kind, m in median.items():
         lines.append(f"| {kind} | {100 * m['hit_rate']:.1f} % | {m['ttft_p50_ms']:.1f} | {m['ttft_p99_ms']:.1f} | {m['req_s']:.2f} |")
     ours = median.get("prefix")
-    for kind in (DP2, DP2_CORE_EACH) if ours else ():
-        if kind not in median:
-            continue
+    for kind in [k for k in (DP2, DP2_CORE_EACH) if ours and k in median]:
         theirs = median[kind]
         lines.append(f"\nprefix / {kind} (medians): hit rate {ours['hit_rate'] / theirs['hit_rate']:.2f}x, "
                      f"TTFT p50 {ours['ttft_p50_ms'] / theirs['ttft_p50_ms']:.2f}x, "
