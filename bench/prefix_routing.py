@@ -24,16 +24,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
+import os
 import random
 import statistics
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import openai
 
-from bench.common import MODEL_NAME, VllmServe, base_parser
+from bench.common import MODEL_NAME, VllmServe, base_parser, prioritise
 from chaos import inject
 from chaos.harness import OPERATOR_ENV, Daemon, RayHead
 
@@ -89,6 +92,23 @@ async def workload(base_url: str, args) -> list[dict[str, Any]]:
 
 
 def measure(base_url: str, args) -> dict[str, Any]:
+    """The workload against ``base_url`` and its figures; with ``--client-nice N`` (not 0) the
+    client runs in a process and session of its own at that niceness (``bench.common.prioritise``),
+    as ``bench.serving_overhead``'s does, so that the servers' spinning engine cores and workers do
+    not starve it on a host of few cores."""
+    if not getattr(args, "client_nice", 0):
+        return _measure(base_url, args)
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_client_session,
+                             initargs=(args.client_nice,)) as pool:
+        return pool.submit(_measure, base_url, args).result(timeout=900)
+
+
+def _client_session(nice: int) -> None:
+    os.setsid()
+    prioritise(os.getpid(), nice)
+
+
+def _measure(base_url: str, args) -> dict[str, Any]:
     started = time.monotonic()
     requests = asyncio.run(workload(base_url, args))
     took = time.monotonic() - started
@@ -154,6 +174,9 @@ def workload_parser(doc: str | None = __doc__):
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--client-nice", type=int, default=0,
+                        help="run the client in a session of its own at this niceness (e.g. -10; root): 0 keeps it "
+                             "in this process")
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS),
                         help="servers, in this order in the first round; reversed every other round")
     return parser
