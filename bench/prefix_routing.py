@@ -10,7 +10,8 @@ one Ray head started by the bench) with ``--enable-prompt-tokens-details``, once
 alternative a user has without the daemon (issue 42), ``vllm serve --data-parallel-size 2`` (two
 engines behind vLLM's own front end, which balances them by queue length: vLLM's default mp
 backend, no Ray), runs the same load with the same flags, with vLLM's default OpenMP binding and
-with one core per engine. The four (or ``--kinds``) alternate for ``--rounds`` rounds, the order
+with one core per engine; ``prefix_mp`` is the daemon's ``prefix`` on vLLM's ``mp`` executor
+(``--distributed-executor-backend mp``) instead of Ray V2. The five (or ``--kinds``) alternate for ``--rounds`` rounds, the order
 reversed every other round (A B, B A, ...), so that what one server leaves behind, or a machine whose
 speed drifts, is not carried by one kind alone. Per kind: the prefix-cache
 hit rate (prompt tokens the engines found cached, from each response's
@@ -41,7 +42,8 @@ from chaos import inject
 from chaos.harness import OPERATOR_ENV, Daemon, RayHead
 
 DP2, DP2_CORE_EACH = "vllm_serve_dp2", "vllm_serve_dp2_core_each"
-KINDS = ("least_streams", "prefix", DP2, DP2_CORE_EACH)
+PREFIX_MP = "prefix_mp"  # the daemon's replicas on vLLM's own mp executor instead of Ray V2
+KINDS = ("least_streams", "prefix", DP2, DP2_CORE_EACH, PREFIX_MP)
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
          "quebec romeo sierra tango uniform victor whiskey xray yankee zulu river stone cloud ember").split()
 
@@ -123,8 +125,9 @@ def _measure(base_url: str, args) -> dict[str, Any]:
 
 def run_policy(work: Path, head: RayHead | None, policy: str, args) -> dict[str, Any]:
     config = {"engine": {"max_model_len": 1024}, "ray": {"address": head.address if head else ""},
-              "supervisor": {"routing": policy}}
-    flags = ("--data-parallel-size", "2", "--enable-prompt-tokens-details", "--disable-uvicorn-access-log")
+              "supervisor": {"routing": "prefix" if policy == PREFIX_MP else policy}}
+    flags = ("--data-parallel-size", "2", "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
+             *(("--distributed-executor-backend", "mp") if policy == PREFIX_MP else ()))
     # on its own Ray, the user's environment alone (the operator's token is the bench's head's)
     with Daemon(work, config, env=OPERATOR_ENV if head else None, args=flags, own_session=True).start() as daemon:
         daemon.wait_ready()
@@ -222,10 +225,10 @@ def main() -> int:
     median = {kind: medians([r for r in rows if r["policy"] == kind]) for kind in args.kinds}
     for kind, m in median.items():
         lines.append(f"| {kind} | {100 * m['hit_rate']:.1f} % | {m['ttft_p50_ms']:.1f} | {m['ttft_p99_ms']:.1f} | {m['req_s']:.2f} |")
-    ours = median.get("prefix")
-    for kind in [k for k in (DP2, DP2_CORE_EACH) if ours and k in median]:
+    for name, ours, kind in [(o, median[o], k) for o in ("prefix", PREFIX_MP) if o in median
+                             for k in (DP2, DP2_CORE_EACH) if k in median]:
         theirs = median[kind]
-        lines.append(f"\nprefix / {kind} (medians): hit rate {ours['hit_rate'] / theirs['hit_rate']:.2f}x, "
+        lines.append(f"\n{name} / {kind} (medians): hit rate {ours['hit_rate'] / theirs['hit_rate']:.2f}x, "
                      f"TTFT p50 {ours['ttft_p50_ms'] / theirs['ttft_p50_ms']:.2f}x, "
                      f"TTFT p99 {ours['ttft_p99_ms'] / theirs['ttft_p99_ms']:.2f}x, "
                      f"throughput {ours['req_s'] / theirs['req_s']:.2f}x")
