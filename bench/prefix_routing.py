@@ -56,7 +56,7 @@ async def conversation(client: openai.AsyncOpenAI, system: str, seed: int, args)
     rng = random.Random(seed)
     messages = [{"role": "system", "content": system}]
     out = []
-    for _ in range(args.turns):
+    for turn in range(args.turns):
         messages.append({"role": "user", "content": text(rng, args.user_words)})
         started = time.monotonic()
         first = None
@@ -74,7 +74,8 @@ async def conversation(client: openai.AsyncOpenAI, system: str, seed: int, args)
                 usage = chunk.usage
         details = getattr(usage, "prompt_tokens_details", None)
         out.append({"ttft_s": first, "prompt_tokens": usage.prompt_tokens,
-                    "cached_tokens": (details.cached_tokens or 0) if details else None})
+                    "cached_tokens": (details.cached_tokens or 0) if details else None,
+                    "conversation": seed, "turn": turn, "started": started, "ended": time.monotonic()})
         messages.append({"role": "assistant", "content": "".join(reply)})
     return out
 

@@ -1,4 +1,7 @@
-"""Where the replicas' TTFT tail is: every request of the chat load with its conversation, turn,
+"""(run.log and the JSON files were made by this probe as of 05ee66c, which copied
+``bench.prefix_routing``'s conversation loop; it now reads that loop's own per-request rows.)
+
+Where the replicas' TTFT tail is: every request of the chat load with its conversation, turn,
 start time, TTFT and cached tokens, for `vllm serve --data-parallel-size 2` and the daemon's
 `prefix` routing, alternating, the client prioritised as `bench.prefix_routing --client-nice`.
 
@@ -9,71 +12,31 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing
-import os
-import random
 import tempfile
-import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-import openai
-
 from bench import prefix_routing as pr
-from bench.common import MODEL_NAME, VllmServe, prioritise
+from bench.common import VllmServe
 from chaos.harness import Daemon
 
 
-async def conversation(client, system, seed, args, t0, rows):
-    rng = random.Random(seed)
-    messages = [{"role": "system", "content": system}]
-    for turn in range(args.turns):
-        messages.append({"role": "user", "content": pr.text(rng, args.user_words)})
-        started = time.monotonic()
-        first, reply, usage = None, [], None
-        stream = await client.chat.completions.create(
-            model=MODEL_NAME, messages=messages, max_tokens=args.max_tokens, temperature=0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-        async for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content:
-                if first is None:
-                    first = time.monotonic() - started
-                reply.append(chunk.choices[0].delta.content)
-            if chunk.usage is not None:
-                usage = chunk.usage
-        details = getattr(usage, "prompt_tokens_details", None)
-        rows.append({"conv": seed, "turn": turn, "start_s": round(started - t0, 3), "ttft_ms": round(1000 * first, 1),
-                     "prompt": usage.prompt_tokens, "cached": (details.cached_tokens or 0) if details else None,
-                     "end_s": round(time.monotonic() - t0, 3)})
-        messages.append({"role": "assistant", "content": "".join(reply)})
-
-
 async def workload(base_url, args):
-    client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
-    systems = [pr.text(random.Random(1000 + s), args.system_words) for s in range(args.system_prompts)]
-    gate = asyncio.Semaphore(args.concurrency)
-    rows: list = []
-    t0 = time.monotonic()
-
-    async def one(i):
-        async with gate:
-            await conversation(client, systems[i % len(systems)], i, args, t0, rows)
-
-    await asyncio.gather(*(one(i) for i in range(args.conversations)))
-    await client.close()
-    return rows
+    """``bench.prefix_routing``'s chat load, each request with its conversation, turn, start and end
+    (seconds from the first request's start), TTFT and cached tokens."""
+    rows = await pr.workload(base_url, args)
+    t0 = min(r["started"] for r in rows)
+    return [{"conv": r["conversation"], "turn": r["turn"], "start_s": round(r["started"] - t0, 3),
+             "ttft_ms": round(1000 * r["ttft_s"], 1), "prompt": r["prompt_tokens"], "cached": r["cached_tokens"],
+             "end_s": round(r["ended"] - t0, 3)} for r in rows]
 
 
 def client_run(base_url, args):
     return asyncio.run(workload(base_url, args))
 
 
-def session(nice):
-    os.setsid()
-    prioritise(os.getpid(), nice)
-
-
 def measure(base_url, args):
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=session,
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=pr._client_session,
                              initargs=(-10,)) as pool:
         return pool.submit(client_run, base_url, args).result(timeout=900)
 
