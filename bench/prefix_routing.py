@@ -11,7 +11,8 @@ alternative a user has without the daemon (issue 42), ``vllm serve --data-parall
 engines behind vLLM's own front end, which balances them by queue length: vLLM's default mp
 backend, no Ray), runs the same load with the same flags, with vLLM's default OpenMP binding and
 with one core per engine; ``prefix_mp`` is the daemon's ``prefix`` on vLLM's ``mp`` executor
-(``--distributed-executor-backend mp``) instead of Ray V2. The five (or ``--kinds``) alternate for ``--rounds`` rounds, the order
+(``--distributed-executor-backend mp``) instead of Ray V2, ``prefix_no_standby`` its ``prefix`` on Ray V2
+with ``standby = "none"``. The six (or ``--kinds``) alternate for ``--rounds`` rounds, the order
 reversed every other round (A B, B A, ...), so that what one server leaves behind, or a machine whose
 speed drifts, is not carried by one kind alone. Per kind: the prefix-cache
 hit rate (prompt tokens the engines found cached, from each response's
@@ -43,7 +44,8 @@ from chaos.harness import OPERATOR_ENV, Daemon, RayHead
 
 DP2, DP2_CORE_EACH = "vllm_serve_dp2", "vllm_serve_dp2_core_each"
 PREFIX_MP = "prefix_mp"  # the daemon's replicas on vLLM's own mp executor instead of Ray V2
-KINDS = ("least_streams", "prefix", DP2, DP2_CORE_EACH, PREFIX_MP)
+PREFIX_NO_STANDBY = "prefix_no_standby"  # Ray V2 without the warm standby (``standby = "none"``)
+KINDS = ("least_streams", "prefix", DP2, DP2_CORE_EACH, PREFIX_MP, PREFIX_NO_STANDBY)
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
          "quebec romeo sierra tango uniform victor whiskey xray yankee zulu river stone cloud ember").split()
 
@@ -126,7 +128,8 @@ def _measure(base_url: str, args) -> dict[str, Any]:
 
 def run_policy(work: Path, head: RayHead | None, policy: str, args) -> dict[str, Any]:
     config = {"engine": {"max_model_len": 1024}, "ray": {"address": head.address if head else ""},
-              "supervisor": {"routing": "prefix" if policy == PREFIX_MP else policy}}
+              "supervisor": {"routing": "prefix" if policy in (PREFIX_MP, PREFIX_NO_STANDBY) else policy,
+                             **({"standby": "none"} if policy == PREFIX_NO_STANDBY else {})}}
     flags = ("--data-parallel-size", "2", "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
              *(("--distributed-executor-backend", "mp") if policy == PREFIX_MP else ()))
     # on its own Ray, the user's environment alone (the operator's token is the bench's head's)
@@ -135,7 +138,8 @@ def run_policy(work: Path, head: RayHead | None, policy: str, args) -> dict[str,
         daemon.wait_replicas_serving()
         # its standby built before the run, as in a server that has been up a while: while it is
         # built (about 40 s after the start here) its worker loads the model on the replicas' core
-        daemon.wait_standby()
+        if policy != PREFIX_NO_STANDBY:
+            daemon.wait_standby()
         row = measure(daemon.base_url, args)
         status = daemon.status()
         code, _ = daemon.stop()
@@ -226,8 +230,8 @@ def main() -> int:
     median = {kind: medians([r for r in rows if r["policy"] == kind]) for kind in args.kinds}
     for kind, m in median.items():
         lines.append(f"| {kind} | {100 * m['hit_rate']:.1f} % | {m['ttft_p50_ms']:.1f} | {m['ttft_p99_ms']:.1f} | {m['req_s']:.2f} |")
-    for name, ours, kind in [(o, median[o], k) for o in ("prefix", PREFIX_MP) if o in median
-                             for k in (DP2, DP2_CORE_EACH) if k in median]:
+    for name, ours, kind in [(o, median[o], k) for o in ("prefix", PREFIX_MP, PREFIX_NO_STANDBY) if o in median
+                             for k in (DP2, DP2_CORE_EACH, PREFIX_MP) if k in median and k != o]:
         theirs = median[kind]
         lines.append(f"\n{name} / {kind} (medians): hit rate {ours['hit_rate'] / theirs['hit_rate']:.2f}x, "
                      f"TTFT p50 {ours['ttft_p50_ms'] / theirs['ttft_p50_ms']:.2f}x, "
