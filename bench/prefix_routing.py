@@ -126,12 +126,19 @@ def _measure(base_url: str, args) -> dict[str, Any]:
             "details_missing": sum(r["cached_tokens"] is None for r in requests)}
 
 
-def run_policy(work: Path, head: RayHead | None, policy: str, args) -> dict[str, Any]:
+def daemon_setup(policy: str, head: RayHead | None = None) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """The daemon's config and flags for a routing ``policy`` or a daemon kind (``prefix_mp``,
+    ``prefix_no_standby``: the ``prefix`` routing on the ``mp`` executor, or without the standby)."""
     config = {"engine": {"max_model_len": 1024}, "ray": {"address": head.address if head else ""},
               "supervisor": {"routing": "prefix" if policy in (PREFIX_MP, PREFIX_NO_STANDBY) else policy,
                              **({"standby": "none"} if policy == PREFIX_NO_STANDBY else {})}}
     flags = ("--data-parallel-size", "2", "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
              *(("--distributed-executor-backend", "mp") if policy == PREFIX_MP else ()))
+    return config, flags
+
+
+def run_policy(work: Path, head: RayHead | None, policy: str, args) -> dict[str, Any]:
+    config, flags = daemon_setup(policy, head)
     # on its own Ray, the user's environment alone (the operator's token is the bench's head's)
     with Daemon(work, config, env=OPERATOR_ENV if head else None, args=flags, own_session=True).start() as daemon:
         daemon.wait_ready()

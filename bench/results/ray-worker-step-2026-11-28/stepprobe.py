@@ -5,6 +5,9 @@ latency: the mean gap between a request's tokens, about one engine step), and ea
 engine core's main thread's CPU and run-queue wait (`/proc/<pid>/task/<pid>/schedstat`).
 
     PYTHONPATH=. .venv/bin/python bench/results/ray-worker-step-2026-11-28/stepprobe.py ROUNDS
+
+(steps.log was made with a copy of the daemon's config and flags, the same as
+``bench.prefix_routing.daemon_setup`` gives, which it now calls.)
 """
 from __future__ import annotations
 
@@ -47,9 +50,7 @@ def mains(root):
 
 
 def one(kind, args):
-    config = {"engine": {"max_model_len": 1024}, "ray": {"address": ""}, "supervisor": {"routing": "prefix"}}
-    flags = ("--data-parallel-size", "2", "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
-             *(("--distributed-executor-backend", "mp") if kind == pr.PREFIX_MP else ()))
+    config, flags = pr.daemon_setup(kind)
     with tempfile.TemporaryDirectory() as tmp, Daemon(Path(tmp), config, args=flags, own_session=True).start() as d:
         d.wait_ready(); d.wait_replicas_serving(); d.wait_standby()
         h0, t0 = hists(d.base_url), mains(d.proc.pid)
