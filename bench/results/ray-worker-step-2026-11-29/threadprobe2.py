@@ -89,7 +89,7 @@ def one(kind, args, out: Path, r: int):
     config, flags = pr.daemon_setup(kind)
     with tempfile.TemporaryDirectory() as tmp, Daemon(Path(tmp), config, args=flags, own_session=True).start() as d:
         d.wait_ready(); d.wait_replicas_serving(); d.wait_standby()
-        spies = {pid: subprocess.Popen([sys.executable.replace("python", "py-spy"), "record", "--nonblocking", "--rate", "20",
+        spies = {pid: subprocess.Popen([str(Path(sys.executable).with_name("py-spy")), "record", "--nonblocking", "--rate", "20",
                                         "--format", "raw", "--pid", str(pid), "--output", str(out / f"r{r}-{kind}-{pid}.txt")],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                  for pid in workers(d.proc.pid)}
