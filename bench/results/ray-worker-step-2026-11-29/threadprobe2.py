@@ -13,26 +13,27 @@ Ray V2 (``prefix``) and on ``mp`` (``prefix_mp``), alternating; per round:
 from __future__ import annotations
 
 import collections
-import re
 import signal
 import subprocess
 import sys
 import tempfile
-import urllib.request
 from pathlib import Path
 
-from bench import prefix_routing as pr
-from bench.common import tree
-from chaos.harness import Daemon
+sys.path.insert(0, str(Path(__file__).parents[1] / "ray-worker-step-2026-11-28"))
+import stepprobe  # noqa: E402
+
+from bench import prefix_routing as pr  # noqa: E402
+from bench.common import tree  # noqa: E402
+from chaos.harness import Daemon  # noqa: E402
 
 ITL = "vllm:inter_token_latency_seconds"
 WORKER_NAMES = ("Worker", "StandbyRay")
 
 
 def itl(base_url):
-    text = urllib.request.urlopen(base_url + "/metrics").read().decode()
-    return [sum(float(v) for v in re.findall(r'^' + re.escape(ITL) + "_" + part + r'\{[^}]*\} ([0-9.e+-]+)', text, re.M))
-            for part in ("sum", "count")]
+    """vLLM's inter-token latency histogram over both engines: [sum, count] (``stepprobe.hists``)."""
+    h = stepprobe.hists(base_url)
+    return [h[(ITL, "sum")], h[(ITL, "count")]]
 
 
 def host():

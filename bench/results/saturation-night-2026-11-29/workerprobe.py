@@ -5,11 +5,13 @@ engine core's OpenMP and preload variables, their threads (name, allowed cores: 
 each server's log says about asynchronous scheduling and the worker's OpenMP binding.
 
     PYTHONPATH=. .venv/bin/python bench/results/saturation-night-2026-11-29/workerprobe.py vllm_serve daemon daemon_standby_none
+
+Each process is described by ``factprobe.describe`` (2026-11-28), which also prints its niceness and
+the OpenMP and allocator libraries mapped; ``workerprobe.log`` was made with a copy of it without
+those two lines.
 """
 from __future__ import annotations
 
-import collections
-import os
 import re
 import sys
 import tempfile
@@ -17,29 +19,15 @@ from pathlib import Path
 
 import httpx
 
-from bench import serving_overhead as so
-from bench.common import MODEL_NAME, tree
-from chaos.harness import RayHead
+sys.path.insert(0, str(Path(__file__).parents[1] / "ray-worker-step-2026-11-28"))
+from factprobe import describe  # noqa: E402
 
-KEYS = ("OMP", "KMP", "GOMP", "LD_PRELOAD", "VLLM_CPU", "TORCH", "LOCAL_WORLD", "RAY_worker_niceness")
+from bench import serving_overhead as so  # noqa: E402
+from bench.common import MODEL_NAME, tree  # noqa: E402
+from chaos.harness import RayHead  # noqa: E402
+
 NAMES = ("Worker", "StandbyRay", "EngineCor", "RayWorker", "Supervised")
 LOG = re.compile(r"async(hronous)?.?scheduling|OpenMP|OMP_NUM_THREADS|thread binding", re.I)
-
-
-def describe(pid: int) -> None:
-    comm = open(f"/proc/{pid}/comm").read().strip()
-    env = dict(kv.split("=", 1) for kv in open(f"/proc/{pid}/environ").read().split("\0") if "=" in kv)
-    threads = collections.Counter()
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            status = dict(line.split(":", 1) for line in open(f"/proc/{pid}/task/{tid}/status"))
-            name = open(f"/proc/{pid}/task/{tid}/comm").read().strip()
-        except OSError:
-            continue
-        threads[(name.split("/")[0].rstrip("0123456789"), status["Cpus_allowed_list"].strip())] += 1
-    print(f"  {comm}@{pid}")
-    print("    env:", {k: v for k, v in sorted(env.items()) if k.startswith(KEYS)})
-    print("    threads (name, cpus): count:", dict(threads))
 
 
 def main() -> None:
