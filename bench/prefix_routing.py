@@ -159,7 +159,7 @@ def run_vllm_dp2(work: Path, kind: str, args) -> dict[str, Any]:
     off (as ``plain_vllm_serve``): vLLM's DP coordinator and two engine processes, no Ray; with ``--ray head``
     the daemon's idle Ray head stays up meanwhile. By default vLLM's CPU build binds each engine's
     OpenMP threads to the cores left after reserving one per engine on the NUMA node, here core 0
-    for both; the daemon binds its replicas' Ray workers the same way (``executor.ray_v2.cpu_binding``).
+    for both; the daemon binds its replicas' Ray workers the same way (``executor.cpu_binding``).
     ``DP2_CORE_EACH`` gives each engine its
     own core (``VLLM_CPU_OMP_THREADS_BIND=0|1``), the setting a user would tune to."""
     server = VllmServe(work, None, extra=("--data-parallel-size", "2", "--enable-prompt-tokens-details"))

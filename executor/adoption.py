@@ -1,7 +1,8 @@
 """The executor's side of adopting a standby worker (``executor.standby`` makes them): where
 vLLM's executor creates a worker actor, the standby of that name is adopted instead when
-one can be. Imported by ``executor.ray_v2``; imports nothing of ours, so the standby
-module can build on the executor's worker class without a circle."""
+one can be. Imported by ``executor.ray_v2``; imports nothing of ours but ``executor.cpu_binding``
+(which imports neither), so the standby module can build on the executor's worker class
+without a circle."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from typing import Any
 
 import ray
 from vllm.platforms import current_platform
+
+from executor.cpu_binding import rebinding
 
 # The actor options in which a standby differs from the worker vLLM creates, by design: its
 # own name and namespace, no resources (the executor's bundle claim holds them), node affinity
@@ -25,19 +28,29 @@ def creation_options(options: dict) -> dict:
 def option_mismatch(standby: dict, worker: dict) -> list[str]:
     """The options (``runtime_env.env_vars.<VAR>`` for a variable) in which a standby created
     with ``standby`` differs from a worker vLLM creates with ``worker``; empty: it may stand
-    for it. The runtime env takes effect when the process starts: it cannot be fixed later."""
+    for it. The runtime env takes effect when the process starts: it cannot be fixed later, but
+    for the cores a CPU worker's OpenMP threads are bound to (``binding_change``)."""
     standby, worker = creation_options(standby), creation_options(worker)
     differ = []
     for key in sorted(set(standby) | set(worker)):
         if key == "runtime_env":
             ours, theirs = dict(standby.get(key) or {}), dict(worker.get(key) or {})
             env_ours, env_theirs = ours.pop("env_vars", None) or {}, theirs.pop("env_vars", None) or {}
+            fixed = rebinding(env_ours, env_theirs) or {}  # rebound at adoption
             differ += [f"runtime_env.env_vars.{v}" for v in sorted(set(env_ours) | set(env_theirs))
-                       if env_ours.get(v) != env_theirs.get(v)]
+                       if env_ours.get(v) != env_theirs.get(v) and v not in fixed]
             differ += [f"runtime_env.{k}" for k in sorted(set(ours) | set(theirs)) if ours.get(k) != theirs.get(k)]
         elif standby.get(key, _MISSING) != worker.get(key, _MISSING):
             differ.append(key)
     return differ
+
+
+def binding_change(standby: dict, worker: dict) -> dict[str, str]:
+    """The OpenMP binding a standby created with options ``standby`` takes at adoption to stand
+    for a worker vLLM creates with ``worker`` (``executor.cpu_binding.rebinding``): {} when none
+    (or when it cannot, which ``option_mismatch`` reports)."""
+    env_of = lambda options: (options.get("runtime_env") or {}).get("env_vars") or {}  # noqa: E731
+    return rebinding(env_of(standby), env_of(worker)) or {}
 
 
 def bundle_node(placement_group: Any, bundle_index: int) -> str:

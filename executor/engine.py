@@ -32,7 +32,8 @@ class EngineSpec:
     use_forkserver: bool = False  # fork the engine core from the preloaded fork server
     step_clock: Any = None  # executor.steps.StepClock: stamped at every engine step
     metrics_logger: Any = None  # with replicas: executor.replica_metrics' stand-in for vLLM's Prometheus logger
-    replicas: int = 1  # the daemon's engines serving side by side (executor.ray_v2.cpu_binding)
+    replicas: int = 1  # the daemon's engines serving side by side (executor.cpu_binding)
+    replica: int = 0  # which of them this engine is
 
 
 def is_cpu_platform() -> bool:
@@ -96,6 +97,7 @@ def build_engine(spec: EngineSpec):
         "generation": spec.generation,
         "event_endpoint": spec.event_endpoint,
         "replicas": spec.replicas,  # before the workers' options are made from it (start_workers)
+        "replica": spec.replica,
     }
     namespace = spec.standby_namespace
     if namespace is None and adopts and spec.start_workers is not None:

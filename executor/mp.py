@@ -16,7 +16,7 @@ import time
 from vllm.v1.executor import multiproc_executor
 from vllm.v1.executor.multiproc_executor import MultiprocExecutor, WorkerProc
 
-from executor import canary, resume
+from executor import canary, cpu_binding, resume
 from executor.reporting import DeathReporter, Dead
 
 canary.bound_lost_wakeup()  # the engine core's readers, and the workers it forks
@@ -42,7 +42,8 @@ class SupervisedMultiprocExecutor(DeathReporter, MultiprocExecutor):
         resume.install()  # continued requests' grammars start where they stopped
         multiproc_executor.WorkerProc = SupervisedWorkerProc
         try:
-            super()._init_executor()
+            with cpu_binding.replica_slice(self.vllm_config):  # a replica's cores, as a DP rank's
+                super()._init_executor()
         finally:
             multiproc_executor.WorkerProc = WorkerProc
         self._handles = list(self.workers)  # shutdown() may drop self.workers

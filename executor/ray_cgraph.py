@@ -11,7 +11,7 @@ next step, and the engine core dies (measured: the client's stream gets ``Engine
 * CPU platform: ``ray_device_key = "CPU"``; the actors ask for no ``resources={"CPU": …}``
   (Ray refuses that key; the placement-group bundle holds the core); the worker reports no
   accelerator ids; with replicas, a lone worker starts with vLLM's OpenMP binding
-  (``ray_v2.cpu_binding``). On CUDA nothing changes.
+  (``executor.cpu_binding``). On CUDA nothing changes.
 * Names: the actors vLLM creates get the names the V2 executor gives its workers,
   ``vllm_Worker_<instance id>[_TP<r>][_PP<r>]`` (the generation is in the instance id, by the
   rank they were created with), so that the supervisor's teardown and tools find them.

@@ -8,7 +8,7 @@ contained here:
   ``"CPU"``; actors ask for ``num_gpus=0`` (the placement-group bundle already
   reserves the core); the worker reports no accelerator ids; with replicas, each lone
   worker's OpenMP threads are bound as vLLM's ``mp`` executor binds them under data
-  parallelism (``cpu_binding``). On CUDA nothing changes.
+  parallelism (``executor.cpu_binding``). On CUDA nothing changes.
 * Worker death: the monitor thread's ``shutdown()`` is where the dead ranks are still
   visible, so they are recorded there; the engine's failure callback is wrapped so
   that a typed ``WorkerDeathEvent`` goes to the supervisor first, then the engine's
@@ -38,6 +38,7 @@ import vllm.v1.executor.ray_executor_v2 as _v2
 from vllm.platforms import current_platform
 
 from executor import canary, history, kv_reserve, resume, testhooks
+from executor.cpu_binding import cpu_binding
 from executor.events import wiring
 from executor.reporting import CAUSE_MAX_CHARS, DeathReporter, Dead
 
@@ -99,41 +100,12 @@ def worker_niceness() -> str:
 def set_worker_env(env_vars: dict[str, str], vllm_config: Any) -> None:
     """What every worker actor the daemon's executors create runs with, unless already set: the
     niceness above, and on CPU no inductor (TP>1 otherwise spends ~25 s compiling a helper with
-    it on the first request) and vLLM's own OpenMP binding (``cpu_binding``)."""
+    it on the first request) and vLLM's own OpenMP binding (``executor.cpu_binding``)."""
     env_vars.setdefault(NICENESS_VAR, worker_niceness())
     if current_platform.is_cpu():
         env_vars.setdefault("TORCH_COMPILE_DISABLE", "1")
         for key, value in cpu_binding(vllm_config).items():
             env_vars.setdefault(key, value)
-
-
-def cpu_binding(vllm_config: Any) -> dict[str, str]:
-    """On a CPU host serving several replicas, the OpenMP settings vLLM's own ``mp`` executor
-    starts each engine's lone worker with under ``vllm serve --data-parallel-size N``
-    (``OMPProcessManager``, after ``VLLM_CPU_OMP_THREADS_BIND``, ``auto`` by default): as many
-    threads as the cores it binds, bound to them, the cores it reserves left to the engine cores
-    and the front. Ray starts a worker with a thread per core of the host, unbound: with several
-    engines their pools oversubscribe the cores and spin beside the engine cores (two replicas on
-    2 cores: the chat benchmark took 30–32 s unbound, 13 s bound). One engine keeps Ray's pool,
-    as ``vllm serve --distributed-executor-backend ray`` runs it: bound, it lost about a fifth of its
-    capacity on 2 cores (docs/benchmarks.md). Read where vLLM's executor reads it (the engine
-    core; the daemon for a standby), from that host's cores. Empty on a GPU host, with
-    ``nobind``, and for an engine of more than one worker: vLLM binds each rank of a node to a
-    NUMA node of its own and gives up where there are fewer; Ray gives all of an engine's
-    workers one runtime env."""
-    if (not current_platform.is_cpu() or vllm_config.parallel_config.world_size != 1
-            or int(wiring(vllm_config).get("replicas") or 1) < 2):
-        return {}
-    from vllm.utils.ompmultiprocessing import OMPProcessManager
-
-    try:
-        manager = OMPProcessManager(vllm_config)
-        before = dict(os.environ)
-        with manager.configure_omp_envs(rank=0, local_rank=0):
-            return {k: v for k, v in os.environ.items() if before.get(k) != v}
-    except (AssertionError, RuntimeError, ValueError, IndexError) as exc:  # vLLM's own refusals
-        logger.warning("workers start without vLLM's OpenMP binding: %s", exc)
-        return {}
 
 
 class SupervisedRayExecutor(DeathReporter, _v2.RayExecutorV2):
@@ -179,7 +151,7 @@ class SupervisedRayExecutor(DeathReporter, _v2.RayExecutorV2):
         there is none or it cannot be adopted (vLLM then creates the actor): among others when
         it was created with other actor options than ``options`` (vLLM's, but for those a
         standby sets otherwise) or initialised CUDA while importing."""
-        from executor.adoption import actor_node, bundle_node, claim_bundle, option_mismatch
+        from executor.adoption import actor_node, binding_change, bundle_node, claim_bundle, option_mismatch
         from executor.cluster import CLAIM_PREFIX, WORKER_PREFIX, kill_handles
 
         name = options["name"]
@@ -210,7 +182,9 @@ class SupervisedRayExecutor(DeathReporter, _v2.RayExecutorV2):
                 claim, ids = claim_bundle(strategy, name.replace(WORKER_PREFIX, CLAIM_PREFIX, 1), resources,
                                           self._standby_namespace)
                 claimed_ids = list(ids)  # Ray's ids as strings (they may be UUIDs)
-            pid = ray.get(handle.adopt.remote(node_id, claimed_ids, **init_kwargs))
+            # a standby made for another replica's cores is bound to this one's (executor.cpu_binding)
+            binding = binding_change(info["created_with"], options)
+            pid = ray.get(handle.adopt.remote(node_id, claimed_ids, binding, **init_kwargs))
         except Exception as exc:
             logger.warning("standby %s not adopted (%s): creating the worker", name, exc)
             kill_handles([h for h in (handle, claim) if h is not None])

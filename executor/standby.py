@@ -50,7 +50,7 @@ from typing import Any
 import ray
 from vllm.platforms import current_platform
 
-from executor import kv_reserve
+from executor import cpu_binding, kv_reserve
 from executor.ray_v2 import SupervisedRayWorkerProc
 
 # Under vLLM's logger tree: in the engine-core process vLLM's logging config (handler, level,
@@ -120,9 +120,11 @@ class StandbyRayWorkerProc(SupervisedRayWorkerProc):
         return {"pid": os.getpid(), "preload_s": self._preload_s, "adopted": self._adopted, "heap_frozen": self._heap_frozen,
                 "cuda_initialized": self._cuda or cuda_initialized(), "created_with": self._created_with}
 
-    def adopt(self, node_id: str, claimed_ids: list[str] | None, **init_kwargs: Any) -> int:
+    def adopt(self, node_id: str, claimed_ids: list[str] | None, binding: dict[str, str] | None = None,
+              **init_kwargs: Any) -> int:
         """Become the worker vLLM's executor would have created with ``init_kwargs`` on the
-        node ``node_id`` (its bundle's), with the devices visible as before the preload."""
+        node ``node_id`` (its bundle's), with the devices visible as before the preload, and
+        its threads bound to ``binding``'s cores when given (``executor.cpu_binding.rebind``)."""
         if self._adopted:
             raise StandbyMismatch("this standby was adopted already")
         if node_id != self._node_id:
@@ -140,6 +142,11 @@ class StandbyRayWorkerProc(SupervisedRayWorkerProc):
             raise StandbyMismatch("the standby's CUDA sees no device (initialised while they were hidden)")
         self._adopted = True
         self._claimed_ids = claimed_ids
+        if binding:
+            created = (self._created_with.get("runtime_env") or {}).get("env_vars") or {}
+            moved = cpu_binding.rebind(created, binding)
+            logger.info("standby worker (pid %d) bound from cores %s to %s (%d threads)", os.getpid(),
+                        cpu_binding.cores_of(created), cpu_binding.cores_of(binding), moved)
         SupervisedRayWorkerProc.__init__(self, **init_kwargs)
         return os.getpid()
 

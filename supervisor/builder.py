@@ -133,7 +133,7 @@ class EngineBuilder:
                     standby_namespace=standby.get("namespace"), use_forkserver=bool(standby.get("forkserver")),
                     start_workers=start_workers,
                     step_clock=steps, metrics_logger=self._metrics_logger(replica),
-                    replicas=self.settings.supervisor.replicas,
+                    replicas=self.settings.supervisor.replicas, replica=replica,
                 ))
                 self._shm_owned[number] = vllm_segments() - shm_before
             finally:

@@ -73,6 +73,11 @@ def parse_serve(argv: list[str], settings: Settings | None = None) -> tuple[Sett
         raise ServeArgsError(f"--distributed-executor-backend {ns.distributed_executor_backend}: "
                              "supervised backends are 'ray' (Ray V2 executor) and 'mp'")
     data_parallel_as_replicas(settings, ns)
+    from executor.cpu_binding import bound_list_error
+
+    if error := bound_list_error(settings.supervisor.replicas,
+                                 (ns.tensor_parallel_size or 1) * (ns.pipeline_parallel_size or 1)):
+        raise ServeArgsError(error)
     for flag, dest, bad in (("--api-server-count", "api_server_count", lambda v: v not in (None, 1)),
                             ("--headless", "headless", bool), ("--grpc", "grpc", bool)):
         if bad(getattr(ns, dest, None)):

@@ -4,6 +4,7 @@ keeps vLLM's spin."""
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -77,7 +78,8 @@ def test_both_executors_workers_carry_it():
 
 def test_the_mp_executor_starts_its_workers_with_its_class(monkeypatch):
     """While vLLM's ``_init_executor`` forks the workers, the module's ``WorkerProc`` is ours;
-    afterwards it is vLLM's again."""
+    afterwards it is vLLM's again. With a list of cores per replica, ``VLLM_CPU_OMP_THREADS_BIND``
+    is the replica's entry meanwhile (``executor.cpu_binding.replica_slice``)."""
     import vllm.v1.executor.multiproc_executor as mpe
 
     from executor.mp import SupervisedMultiprocExecutor, SupervisedWorkerProc
@@ -85,12 +87,23 @@ def test_the_mp_executor_starts_its_workers_with_its_class(monkeypatch):
     seen = []
 
     def init(self) -> None:  # vLLM's: makes WorkerProc.make_worker_process(...) per rank
-        seen.append(mpe.WorkerProc)
+        seen.append((mpe.WorkerProc, os.environ.get("VLLM_CPU_OMP_THREADS_BIND")))
         self.workers = []
+
+    def executor(replica: int):
+        ex = object.__new__(SupervisedMultiprocExecutor)
+        ex.vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(world_size=1), additional_config={
+            "vllm_supervisor": {"replicas": 2, "replica": replica}})
+        return ex
 
     original = mpe.WorkerProc
     monkeypatch.setattr(mpe.MultiprocExecutor, "_init_executor", init)
     monkeypatch.setattr(SupervisedMultiprocExecutor, "_wire", lambda self: None)
     monkeypatch.setattr("executor.resume.install", lambda: None)
-    SupervisedMultiprocExecutor._init_executor(object.__new__(SupervisedMultiprocExecutor))
-    assert seen == [SupervisedWorkerProc] and mpe.WorkerProc is original
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    SupervisedMultiprocExecutor._init_executor(executor(0))
+    assert seen == [(SupervisedWorkerProc, None)] and mpe.WorkerProc is original
+    # a list of cores per replica: vLLM's executor reads this replica's entry, as a DP rank's
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    SupervisedMultiprocExecutor._init_executor(executor(1))
+    assert seen[-1] == (SupervisedWorkerProc, "1") and os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"

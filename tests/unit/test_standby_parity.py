@@ -221,6 +221,23 @@ def test_standby_options_are_vllms(vllm_config, monkeypatch, weight_transfer):
     assert ("enable_tensor_transport" in theirs) == bool(weight_transfer)
 
 
+def lone_config(tmp_path):
+    """The demo model's config with one worker (TP=1), our Ray executor; the process's variables
+    put back after vLLM's config wrote some."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from executor.ray_v2 import SupervisedRayExecutor
+    from supervisor.demo_model import build_demo_model
+
+    saved = dict(os.environ)
+    try:
+        return AsyncEngineArgs(model=str(build_demo_model(tmp_path)), distributed_executor_backend=SupervisedRayExecutor,
+                               max_model_len=256).create_engine_config()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 def test_with_replicas_a_lone_cpu_worker_is_bound_as_vllms_data_parallel_binds_it(vllm_config, tmp_path, monkeypatch):
     """On CPU with replicas, a worker alone in its engine gets the OpenMP settings vLLM's ``mp``
     executor starts each engine's worker with (as many threads as cores vLLM picks for it, bound
@@ -237,13 +254,8 @@ def test_with_replicas_a_lone_cpu_worker_is_bound_as_vllms_data_parallel_binds_i
     from executor.standby import worker_options
     from supervisor.demo_model import build_demo_model
 
+    lone = lone_config(tmp_path)
     saved = dict(os.environ)
-    try:
-        lone = AsyncEngineArgs(model=str(build_demo_model(tmp_path)), distributed_executor_backend=SupervisedRayExecutor,
-                               max_model_len=256).create_engine_config()
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
     assert cpu_binding(lone) == {}  # one engine
     lone.additional_config[ADDITIONAL_CONFIG_KEY] = {"replicas": 2}
     cores = OMPProcessManager(lone).cpu_lists[0]
@@ -259,6 +271,35 @@ def test_with_replicas_a_lone_cpu_worker_is_bound_as_vllms_data_parallel_binds_i
     assert cpu_binding(vllm_config) == {}  # TP=2
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     assert cpu_binding(lone) == {}
+
+
+def test_a_list_per_replica_binds_each_replica_to_its_cores_and_the_standby_follows(tmp_path, monkeypatch,
+                                                                                    adopting_executor):
+    """``VLLM_CPU_OMP_THREADS_BIND=0|1`` with two replicas: replica 0's worker on core 0, replica
+    1's on core 1, as ``vllm serve --data-parallel-size 2`` binds its ranks. The one standby is
+    made with the replica that came up last's binding; another replica adopts it, bound again to
+    its own core (before this, vLLM read every replica as data-parallel rank 0: all on core 0)."""
+    from executor.cpu_binding import cores_of
+    from executor.events import ADDITIONAL_CONFIG_KEY
+    from executor.ray_v2 import cpu_binding
+    from executor.standby import worker_options
+
+    executor, install, killed = adopting_executor
+    lone = lone_config(tmp_path)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    lone.additional_config[ADDITIONAL_CONFIG_KEY] = {"replicas": 2, "replica": 0}
+    first, standby_options = cpu_binding(lone), worker_options(lone)
+    lone.additional_config[ADDITIONAL_CONFIG_KEY] = {"replicas": 2, "replica": 1}
+    second = cpu_binding(lone)
+    assert (cores_of(first), cores_of(second)) == ([0], [1]) and first["OMP_NUM_THREADS"] == "1"
+    standby = FakeStandby(standby_options)
+    install(standby)
+    assert executor._adopt_standby(vllm_worker_options(lone), {"rank": 0}) is standby
+    assert standby.bindings == [second] and killed == []
+    standby = FakeStandby(worker_options(lone))  # made for replica 1: nothing to change
+    install(standby)
+    assert executor._adopt_standby(vllm_worker_options(lone), {"rank": 0}) is standby
+    assert standby.bindings == [{}]
 
 
 def test_agent_creates_standbys_with_the_daemons_options(vllm_config, monkeypatch):
@@ -310,9 +351,11 @@ class FakeStandby:
 
     def __init__(self, created_with: dict, cuda: bool = False):
         self.adopted: list = []
+        self.bindings: list = []  # the OpenMP binding each adoption was given (executor.cpu_binding)
         self.standby_info = SimpleNamespace(remote=lambda: {"pid": 4242, "cuda_initialized": cuda,
                                                             "created_with": created_with})
-        self.adopt = SimpleNamespace(remote=lambda node, ids, **kw: self.adopted.append((node, ids, kw)) or 4242)
+        self.adopt = SimpleNamespace(remote=lambda node, ids, binding=None, **kw: self.bindings.append(binding)
+                                     or self.adopted.append((node, ids, kw)) or 4242)
 
 
 @pytest.fixture
