@@ -12,7 +12,9 @@ engines behind vLLM's own front end, which balances them by queue length: vLLM's
 backend, no Ray), runs the same load with the same flags, with vLLM's default OpenMP binding and
 with one core per engine; ``prefix_mp`` is the daemon's ``prefix`` on vLLM's ``mp`` executor
 (``--distributed-executor-backend mp``) instead of Ray V2, ``prefix_no_standby`` its ``prefix`` on Ray V2
-with ``standby = "none"``. The six (or ``--kinds``) alternate for ``--rounds`` rounds, the order
+with ``standby = "none"``, ``prefix_core_each`` its ``prefix`` with the one-core-each list
+(``VLLM_CPU_OMP_THREADS_BIND=0|1``, one entry per replica), ``prefix_mp_core_each`` the same on ``mp``.
+The eight (or ``--kinds``) alternate for ``--rounds`` rounds, the order
 reversed every other round (A B, B A, ...), so that what one server leaves behind, or a machine whose
 speed drifts, is not carried by one kind alone. Per kind: the prefix-cache
 hit rate (prompt tokens the engines found cached, from each response's
@@ -44,8 +46,12 @@ from chaos.harness import OPERATOR_ENV, Daemon, RayHead
 
 DP2, DP2_CORE_EACH = "vllm_serve_dp2", "vllm_serve_dp2_core_each"
 PREFIX_MP = "prefix_mp"  # the daemon's replicas on vLLM's own mp executor instead of Ray V2
+PREFIX_CORE_EACH = "prefix_core_each"  # the daemon's prefix with DP2_CORE_EACH's list of cores per replica
+PREFIX_MP_CORE_EACH = "prefix_mp_core_each"  # the same on the mp executor
+CORE_EACH_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 PREFIX_NO_STANDBY = "prefix_no_standby"  # Ray V2 without the warm standby (``standby = "none"``)
-KINDS = ("least_streams", "prefix", DP2, DP2_CORE_EACH, PREFIX_MP, PREFIX_NO_STANDBY)
+KINDS = ("least_streams", "prefix", DP2, DP2_CORE_EACH, PREFIX_MP, PREFIX_NO_STANDBY, PREFIX_CORE_EACH, PREFIX_MP_CORE_EACH)
+CORE_EACH = (PREFIX_CORE_EACH, PREFIX_MP_CORE_EACH)
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
          "quebec romeo sierra tango uniform victor whiskey xray yankee zulu river stone cloud ember").split()
 
@@ -126,21 +132,23 @@ def _measure(base_url: str, args) -> dict[str, Any]:
             "details_missing": sum(r["cached_tokens"] is None for r in requests)}
 
 
-def daemon_setup(policy: str, head: RayHead | None = None) -> tuple[dict[str, Any], tuple[str, ...]]:
+def daemon_setup(policy: str, head: RayHead | None = None, slack: int | None = None) -> tuple[dict[str, Any], tuple[str, ...]]:
     """The daemon's config and flags for a routing ``policy`` or a daemon kind (``prefix_mp``,
     ``prefix_no_standby``: the ``prefix`` routing on the ``mp`` executor, or without the standby)."""
     config = {"engine": {"max_model_len": 1024}, "ray": {"address": head.address if head else ""},
-              "supervisor": {"routing": "prefix" if policy in (PREFIX_MP, PREFIX_NO_STANDBY) else policy,
-                             **({"standby": "none"} if policy == PREFIX_NO_STANDBY else {})}}
+              "supervisor": {"routing": "prefix" if policy in (PREFIX_MP, PREFIX_NO_STANDBY, *CORE_EACH) else policy,
+                             **({"standby": "none"} if policy == PREFIX_NO_STANDBY else {}),
+                             **({"routing_slack": slack} if slack is not None else {})}}
     flags = ("--data-parallel-size", "2", "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
-             *(("--distributed-executor-backend", "mp") if policy == PREFIX_MP else ()))
+             *(("--distributed-executor-backend", "mp") if policy in (PREFIX_MP, PREFIX_MP_CORE_EACH) else ()))
     return config, flags
 
 
 def run_policy(work: Path, head: RayHead | None, policy: str, args) -> dict[str, Any]:
-    config, flags = daemon_setup(policy, head)
+    config, flags = daemon_setup(policy, head, args.routing_slack)
     # on its own Ray, the user's environment alone (the operator's token is the bench's head's)
-    with Daemon(work, config, env=OPERATOR_ENV if head else None, args=flags, own_session=True).start() as daemon:
+    env = {**(OPERATOR_ENV if head else {}), **(CORE_EACH_ENV if policy in CORE_EACH else {})}
+    with Daemon(work, config, env=env or None, args=flags, own_session=True).start() as daemon:
         daemon.wait_ready()
         daemon.wait_replicas_serving()
         # its standby built before the run, as in a server that has been up a while: while it is
@@ -164,7 +172,7 @@ def run_vllm_dp2(work: Path, kind: str, args) -> dict[str, Any]:
     own core (``VLLM_CPU_OMP_THREADS_BIND=0|1``), the setting a user would tune to."""
     server = VllmServe(work, None, extra=("--data-parallel-size", "2", "--enable-prompt-tokens-details"))
     if kind == DP2_CORE_EACH:
-        server.env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+        server.env.update(CORE_EACH_ENV)
     server.start()
     try:
         server.wait_ready()
@@ -192,6 +200,8 @@ def workload_parser(doc: str | None = __doc__):
     parser.add_argument("--client-nice", type=int, default=0,
                         help="run the client in a session of its own at this niceness (e.g. -10; root): 0 keeps it "
                              "in this process")
+    parser.add_argument("--routing-slack", type=int,
+                        help="the daemons' supervisor.routing_slack (the daemon's default: 4)")
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS),
                         help="servers, in this order in the first round; reversed every other round")
     return parser
@@ -237,8 +247,8 @@ def main() -> int:
     median = {kind: medians([r for r in rows if r["policy"] == kind]) for kind in args.kinds}
     for kind, m in median.items():
         lines.append(f"| {kind} | {100 * m['hit_rate']:.1f} % | {m['ttft_p50_ms']:.1f} | {m['ttft_p99_ms']:.1f} | {m['req_s']:.2f} |")
-    for name, ours, kind in [(o, median[o], k) for o in ("prefix", PREFIX_MP, PREFIX_NO_STANDBY) if o in median
-                             for k in (DP2, DP2_CORE_EACH, PREFIX_MP) if k in median and k != o]:
+    for name, ours, kind in [(o, median[o], k) for o in ("prefix", PREFIX_MP, PREFIX_NO_STANDBY, *CORE_EACH) if o in median
+                             for k in (DP2, DP2_CORE_EACH, PREFIX_MP, PREFIX_MP_CORE_EACH) if k in median and k != o]:
         theirs = median[kind]
         lines.append(f"\n{name} / {kind} (medians): hit rate {ours['hit_rate'] / theirs['hit_rate']:.2f}x, "
                      f"TTFT p50 {ours['ttft_p50_ms'] / theirs['ttft_p50_ms']:.2f}x, "

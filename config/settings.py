@@ -145,6 +145,10 @@ class SupervisorSettings(_Section):
     routing: Literal["prefix", "least_streams"] = Field(
         "prefix", description="with replicas: prefix sends a new request to the replica that served its prompt's prefix "
                               "(its prefix cache) unless that one is loaded past a bound; least_streams: the fewest streams")
+    routing_slack: int = Field(
+        4, ge=0, le=4096, description="with prefix routing: the streams the prefix's replica may run above the least "
+                                      "loaded one and still get the request (Ray Serve's imbalanced_threshold); 0: "
+                                      "a prefix match only breaks ties")
     standby: Literal["none", "warm"] = Field(
         "warm", description="warm: prepare the next generation's engine-core process and worker actors while this one serves")
     standby_kv: Literal["reserved", "at_adoption"] = Field(

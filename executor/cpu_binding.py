@@ -16,12 +16,12 @@ their pools oversubscribe the cores and spin beside the engine cores (two replic
 the chat benchmark took 30–32 s unbound, 13 s bound). So with replicas the daemon puts vLLM's
 own settings in each worker's runtime environment (``cpu_binding``), asked of vLLM with the
 replica's index where vLLM has the rank's: a ``|`` list is sliced per replica exactly as vLLM
-slices it per rank (vLLM itself reads each replica, an engine of data-parallel size 1, as rank 0,
-and bound every replica's worker to the first entry). On the ``mp`` executor each replica's engine
-core hands vLLM its slice (``replica_slice``). One list without ``|`` binds every replica's worker to those cores (``vllm
-serve`` would refuse it for a second rank). One engine keeps Ray's pool, as ``vllm serve
---distributed-executor-backend ray`` runs it (bound, it lost about a fifth of its capacity on 2
-cores, docs/benchmarks.md).
+slices it per rank (vLLM itself reads each replica, an engine of data-parallel size 1, as rank
+0, and bound every replica's worker to the first entry). On the ``mp`` executor each replica's
+engine core hands vLLM its slice (``replica_slice``). One list without ``|`` binds every
+replica's worker to those cores (``vllm serve`` would refuse it for a second rank). One engine
+keeps Ray's pool, as ``vllm serve --distributed-executor-backend ray`` runs it (bound, it lost
+about a fifth of its capacity on 2 cores, docs/benchmarks.md).
 
 The warm standby is shared by the replicas and made with the binding of the replica that came
 up last; a runtime environment takes effect when the process starts. When the adopting
@@ -33,9 +33,9 @@ core later, in its ``__init__``. Anything else that differs refuses the standby,
 
 Not done, as ``vllm serve`` does it: with ``auto`` on a host of several NUMA nodes, vLLM gives
 each data-parallel rank a node of its own (``CPU_VISIBLE_MEMORY_NODES``); every replica here
-takes the first node's cores. An engine of several workers (TP or PP > 1) on Ray is not bound: vLLM
-binds each rank of a node to a NUMA node of its own and gives up where there are fewer, and Ray
-gives all of an engine's workers one runtime env.
+takes the first node's cores. An engine of several workers (TP or PP > 1) on Ray is not bound:
+vLLM binds each rank of a node to a NUMA node of its own and gives up where there are fewer,
+and Ray gives all of an engine's workers one runtime env.
 """
 
 from __future__ import annotations

@@ -94,7 +94,7 @@ class Supervisor:
         # agent from its spawn, before the daemon's vLLM import; a later one beside Ray's start)
         self.ray.preload_worker_class = lambda: self.standby.creates_workers
         # where each new request goes between replicas (with one there is no choice to make)
-        self.router = PrefixRouter() if cfg.routing == "prefix" and cfg.replicas > 1 else None
+        self.router = PrefixRouter(cfg.routing_slack) if cfg.routing == "prefix" and cfg.replicas > 1 else None
         self.started_monotonic = time.monotonic()
         self.outcomes: Counter[str] = Counter()
         # inputs that crashed two engines, refused at admission (supervisor.suspects)

@@ -88,3 +88,21 @@ def test_memory_is_bounded():
     for seed in range(20):
         pick([a, b], router=router, token_ids=tokens(seed, 4 * BLOCK))
     assert router.status()["blocks"] == 10
+
+
+def test_the_slack_is_the_operators_and_zero_only_breaks_ties():
+    """``supervisor.routing_slack`` (``--routing-slack``, Ray Serve's ``imbalanced_threshold``): how
+    far the prefix's replica may be loaded above the least loaded one and still get the request."""
+    from supervisor.cli import parse_serve
+
+    settings, _ = parse_serve(["--data-parallel-size", "2", "--routing-slack", "0"])
+    assert settings.supervisor.routing_slack == 0 and parse_serve([])[0].supervisor.routing_slack == 4
+    router = PrefixRouter(slack=settings.supervisor.routing_slack)
+    a, b = Replica(0, gen(1)), Replica(1, gen(2))
+    prompt = tokens(8, 4 * BLOCK)
+    assert pick([a, b], router=router, token_ids=prompt) is a.current
+    b.current.readers.update(dict.fromkeys(range(1)))
+    a.current.readers.update(dict.fromkeys(range(1)))  # a tie: the prefix decides
+    assert pick([a, b], router=router, token_ids=prompt) is a.current
+    a.current.readers[object()] = None  # one stream above: the least loaded
+    assert pick([a, b], router=router, token_ids=prompt) is b.current
