@@ -31,9 +31,10 @@ thread bound within the old cores moves to the matching new ones, position for p
 the OpenMP runtime would have bound it; vLLM binds the worker's memory to the node of its first
 core later, in its ``__init__``. Anything else that differs refuses the standby, as before.
 
-Not done, as ``vllm serve`` does it: with ``auto`` on a host of several NUMA nodes, vLLM gives
-each data-parallel rank a node of its own (``CPU_VISIBLE_MEMORY_NODES``); every replica here
-takes the first node's cores. An engine of several workers (TP or PP > 1) on Ray is not bound:
+With ``auto`` on a host of several NUMA nodes every replica takes the first node's cores, as
+every data-parallel rank of ``vllm serve`` does in this vLLM: its auto binding picks the node of
+the local rank among the visible ones (``CPU_VISIBLE_MEMORY_NODES``), which nothing narrows per
+rank (read in vLLM's source; this machine has one node). A list per replica places them. An engine of several workers (TP or PP > 1) on Ray is not bound:
 vLLM binds each rank of a node to a NUMA node of its own and gives up where there are fewer,
 and Ray gives all of an engine's workers one runtime env.
 """
