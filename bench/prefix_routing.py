@@ -13,8 +13,8 @@ backend, no Ray), runs the same load with the same flags, with vLLM's default Op
 with one core per engine; ``prefix_mp`` is the daemon's ``prefix`` on vLLM's ``mp`` executor
 (``--distributed-executor-backend mp``) instead of Ray V2, ``prefix_no_standby`` its ``prefix`` on Ray V2
 with ``standby = "none"``, ``prefix_core_each`` its ``prefix`` with the one-core-each list
-(``VLLM_CPU_OMP_THREADS_BIND=0|1``, one entry per replica), ``prefix_mp_core_each`` the same on ``mp``.
-The eight (or ``--kinds``) alternate for ``--rounds`` rounds, the order
+(``VLLM_CPU_OMP_THREADS_BIND=0|1``, one entry per replica), ``prefix_mp_core_each`` the same on ``mp``,
+``least_streams_core_each`` least streams with it. The nine (or ``--kinds``) alternate for ``--rounds`` rounds, the order
 reversed every other round (A B, B A, ...), so that what one server leaves behind, or a machine whose
 speed drifts, is not carried by one kind alone. Per kind: the prefix-cache
 hit rate (prompt tokens the engines found cached, from each response's
@@ -48,10 +48,12 @@ DP2, DP2_CORE_EACH = "vllm_serve_dp2", "vllm_serve_dp2_core_each"
 PREFIX_MP = "prefix_mp"  # the daemon's replicas on vLLM's own mp executor instead of Ray V2
 PREFIX_CORE_EACH = "prefix_core_each"  # the daemon's prefix with DP2_CORE_EACH's list of cores per replica
 PREFIX_MP_CORE_EACH = "prefix_mp_core_each"  # the same on the mp executor
+LEAST_CORE_EACH = "least_streams_core_each"  # least streams with the same list
 CORE_EACH_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 PREFIX_NO_STANDBY = "prefix_no_standby"  # Ray V2 without the warm standby (``standby = "none"``)
-KINDS = ("least_streams", "prefix", DP2, DP2_CORE_EACH, PREFIX_MP, PREFIX_NO_STANDBY, PREFIX_CORE_EACH, PREFIX_MP_CORE_EACH)
-CORE_EACH = (PREFIX_CORE_EACH, PREFIX_MP_CORE_EACH)
+KINDS = ("least_streams", "prefix", DP2, DP2_CORE_EACH, PREFIX_MP, PREFIX_NO_STANDBY, PREFIX_CORE_EACH, PREFIX_MP_CORE_EACH,
+         LEAST_CORE_EACH)
+CORE_EACH = (PREFIX_CORE_EACH, PREFIX_MP_CORE_EACH, LEAST_CORE_EACH)
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
          "quebec romeo sierra tango uniform victor whiskey xray yankee zulu river stone cloud ember").split()
 
@@ -136,7 +138,8 @@ def daemon_setup(policy: str, head: RayHead | None = None, slack: int | None = N
     """The daemon's config and flags for a routing ``policy`` or a daemon kind (``prefix_mp``,
     ``prefix_no_standby``: the ``prefix`` routing on the ``mp`` executor, or without the standby)."""
     config = {"engine": {"max_model_len": 1024}, "ray": {"address": head.address if head else ""},
-              "supervisor": {"routing": "prefix" if policy in (PREFIX_MP, PREFIX_NO_STANDBY, *CORE_EACH) else policy,
+              "supervisor": {"routing": ("least_streams" if policy == LEAST_CORE_EACH else
+                                         "prefix" if policy in (PREFIX_MP, PREFIX_NO_STANDBY, *CORE_EACH) else policy),
                              **({"standby": "none"} if policy == PREFIX_NO_STANDBY else {}),
                              **({"routing_slack": slack} if slack is not None else {})}}
     flags = ("--data-parallel-size", "2", "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
