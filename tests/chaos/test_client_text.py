@@ -80,17 +80,23 @@ def test_two_kills_per_round_client_text_equals_a_fault_free_run(daemon, ray_hea
         s = daemon.status()
         return s["test_held"] > 0 and s["test_held"] == s["in_flight"]
 
+    sent = fresh(requests, HOLD_AFTER)
+
     def two_kills() -> dict:
         held_at_kill.append(daemon.status()["test_held"])
         first = inject.kill_worker(ray_head.address, rank=0)
         s = daemon.wait_generation(before["generation"] + 1, timeout_s=240)
-        time.sleep(0.5)  # the continued requests are running on the new engine
+        # the second kill once the continued requests run on the new engine (a client read a chunk
+        # from it), not after a fixed wait: on a fast machine they finished within 0.5 s
+        up, deadline = time.monotonic(), time.monotonic() + 10
+        while not any(r.chunk_times and r.chunk_times[-1] > up for r in sent) and time.monotonic() < deadline:
+            time.sleep(0.005)
         in_flight = daemon.status()["in_flight"]
         second = inject.kill_worker(ray_head.address, rank=0)
         return {"first": first, "second": second, "in_flight_at_second": in_flight, "generation": s["generation"]}
 
     records, info = asyncio.run(run_with_fault(daemon.base_url, N, MAX_TOKENS, two_kills,
-                                               records=fresh(requests, HOLD_AFTER), ready_for_fault=all_held))
+                                               records=sent, ready_for_fault=all_held))
     summary = compare(records, ref)
     assert summary["failed"] == 0, [(r.index, r.status, r.error) for r in records if r.outcome != "ok"]
     assert summary["mismatched"] == 0, summary
