@@ -14,14 +14,13 @@ vLLM's ``mp`` executor starts each engine's workers with OpenMP settings compute
 Ray starts a worker with an OpenMP thread per core of the host, unbound: with several engines
 their pools oversubscribe the cores and spin beside the engine cores (two replicas on 2 cores:
 the chat benchmark took 30–32 s unbound, 13 s bound). So with replicas the daemon puts vLLM's
-own settings in each worker's runtime environment (``cpu_binding``), asked of vLLM with the
-replica's index where vLLM has the rank's: a ``|`` list is sliced per replica exactly as vLLM
-slices it per rank (vLLM itself reads each replica, an engine of data-parallel size 1, as rank
-0, and bound every replica's worker to the first entry). On the ``mp`` executor each replica's
-engine core hands vLLM its slice (``replica_slice``). One list without ``|`` binds every
-replica's worker to those cores (``vllm serve`` would refuse it for a second rank). One engine
-keeps Ray's pool, as ``vllm serve --distributed-executor-backend ray`` runs it (bound, it lost
-about a fifth of its capacity on 2 cores, docs/benchmarks.md).
+own settings in each worker's runtime environment (``cpu_binding``). vLLM reads each replica,
+an engine of data-parallel size 1, as rank 0, and bound every replica's worker to the first
+entry of a ``|`` list; so vLLM is handed the replica's slice of the list, as it slices one per
+rank (``replica_slice``), here and in each replica's engine core on the ``mp`` executor. One list
+without ``|`` binds every replica's worker to those cores (``vllm serve`` would refuse it for a
+second rank). One engine keeps Ray's pool, as ``vllm serve --distributed-executor-backend ray``
+runs it (bound, it lost about a fifth of its capacity on 2 cores, docs/benchmarks.md).
 
 The warm standby is shared by the replicas and made with the binding of the replica that came
 up last; a runtime environment takes effect when the process starts. When the adopting
@@ -41,14 +40,12 @@ and Ray gives all of an engine's workers one runtime env.
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from types import SimpleNamespace
 from typing import Any
 
 from vllm.platforms import current_platform
@@ -76,24 +73,14 @@ def cpu_binding(vllm_config: Any) -> dict[str, str]:
     from vllm.utils.ompmultiprocessing import OMPProcessManager
 
     try:
-        manager = OMPProcessManager(_as_rank(vllm_config))
+        with replica_slice(vllm_config):  # vLLM reads every replica as data-parallel rank 0
+            manager = OMPProcessManager(vllm_config)
         before = dict(os.environ)
         with manager.configure_omp_envs(rank=0, local_rank=0):
             return {k: v for k, v in os.environ.items() if before.get(k) != v}
     except (AssertionError, RuntimeError, ValueError, IndexError) as exc:  # vLLM's own refusals
         logger.warning("workers start without vLLM's OpenMP binding: %s", exc)
         return {}
-
-
-def _as_rank(vllm_config: Any) -> Any:
-    """What ``OMPProcessManager`` reads of ``vllm_config``, with the replica's index as the local
-    data-parallel rank where an explicit ``|`` list is to be sliced (``auto`` reads the rank only
-    to simulate NUMA nodes, which it leaves as it is)."""
-    if "|" not in os.environ.get(BIND_VAR, ""):
-        return vllm_config
-    parallel = copy.copy(vllm_config.parallel_config)
-    parallel.data_parallel_rank_local = int(wiring(vllm_config).get("replica") or 0)
-    return SimpleNamespace(parallel_config=parallel, kv_transfer_config=vllm_config.kv_transfer_config)
 
 
 def replica_entries(vllm_config: Any) -> str | None:
@@ -111,9 +98,10 @@ def replica_entries(vllm_config: Any) -> str | None:
 
 @contextmanager
 def replica_slice(vllm_config: Any) -> Iterator[None]:
-    """For vLLM's ``mp`` executor in a replica's engine core: ``VLLM_CPU_OMP_THREADS_BIND`` is
-    the replica's slice while the executor starts its workers (its ``OMPProcessManager`` reads it
-    there, before vLLM caches its variables)."""
+    """``VLLM_CPU_OMP_THREADS_BIND`` is the replica's slice meanwhile: for ``cpu_binding`` (the
+    daemon; a Ray V2 engine core), and for vLLM's ``mp`` executor while it starts its workers in a
+    replica's engine core. vLLM's ``OMPProcessManager`` reads it there, before vLLM caches its
+    variables (at the end of the engine core's start)."""
     entries = replica_entries(vllm_config)
     if entries is None:
         yield
