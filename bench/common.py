@@ -180,6 +180,25 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+class HostSteal:
+    """The share of the machine's CPU time its hypervisor gave to others while a window ran
+    (``steal`` in ``/proc/stat``, % of all cores). A virtual machine's speed that comes and goes
+    with its neighbours shows here; a pinned thread cannot run on the other core meanwhile."""
+
+    def __init__(self):
+        self.started, self.steal = time.monotonic(), self.read()
+
+    @staticmethod
+    def read() -> float:
+        with open("/proc/stat") as fh:
+            fields = fh.readline().split()  # cpu user nice system idle iowait irq softirq steal ...
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK") if len(fields) > 8 else 0.0
+
+    def pct(self) -> float:
+        took = max(1e-6, time.monotonic() - self.started)
+        return round(100 * (self.read() - self.steal) / (took * (os.cpu_count() or 1)), 3)
+
+
 def tree(roots: list[int] | int, marker: str | None = None) -> list[int]:
     """``roots`` and their descendants, plus the processes carrying ``marker`` (a Ray head's)."""
     from chaos.harness import marked_pids
