@@ -70,10 +70,12 @@ METRICS = [
 ]
 TTFT_PARTS = ("ttft_outside_ms", "ttft_between_ms", "ttft_queue_ms", "ttft_prefill_ms")
 LABELS = {"vllm_serve": "vllm serve", "daemon": "daemon (defaults)", "daemon_standby_none": "daemon, standby none",
+          "daemon_kv_at_adoption": "daemon, standby_kv at_adoption",
           "vllm_serve_mp": "vllm serve (mp)", "daemon_mp": "daemon (mp)"}
 # Each daemon is compared with `vllm serve` on the same executor: supervision's own cost is the
 # difference within each pair (Ray V2 with our executor class on the same Ray head; vLLM's `mp`).
-BASELINE = {"daemon": "vllm_serve", "daemon_standby_none": "vllm_serve", "daemon_mp": "vllm_serve_mp"}
+BASELINE = {"daemon": "vllm_serve", "daemon_standby_none": "vllm_serve", "daemon_kv_at_adoption": "vllm_serve",
+            "daemon_mp": "vllm_serve_mp"}
 # `vllm serve` without --distributed-executor-backend is `mp` here: vLLM's CPU platform turns its
 # TP=1 default (`uni`, the model in the engine-core process) into `mp`, since OpenMP's binding is
 # set up for a worker process (vllm/platforms/cpu.py). On a GPU host it stays `uni`.
@@ -85,10 +87,11 @@ def start(kind: str, work: Path, head: RayHead, extra: tuple[str, ...] = ()):
         server = VllmServe(work, head if kind == "vllm_serve" else None, extra=extra).start()
     else:
         server = start_daemon(work, head, executor="mp" if kind == "daemon_mp" else "ray", extra=extra,
-                              **({"standby": "none"} if kind in ("daemon_standby_none", "daemon_mp") else {}))
+                              **({"standby": "none"} if kind in ("daemon_standby_none", "daemon_mp") else
+                                 {"standby_kv": "at_adoption"} if kind == "daemon_kv_at_adoption" else {}))
     try:
         server.wait_ready()
-        if kind == "daemon":
+        if kind in ("daemon", "daemon_kv_at_adoption"):
             server.wait_standby()  # its standby built before the run, as in a server that has been up a while
     except BaseException:
         server.stop()
