@@ -76,6 +76,9 @@ LABELS = {"vllm_serve": "vllm serve", "daemon": "daemon (defaults)", "daemon_sta
 # difference within each pair (Ray V2 with our executor class on the same Ray head; vLLM's `mp`).
 BASELINE = {"daemon": "vllm_serve", "daemon_standby_none": "vllm_serve", "daemon_kv_at_adoption": "vllm_serve",
             "daemon_mp": "vllm_serve_mp"}
+# each daemon kind's `[supervisor]` settings besides the defaults
+SUPERVISOR = {"daemon": {}, "daemon_standby_none": {"standby": "none"}, "daemon_kv_at_adoption": {"standby_kv": "at_adoption"},
+              "daemon_mp": {"standby": "none"}}
 # `vllm serve` without --distributed-executor-backend is `mp` here: vLLM's CPU platform turns its
 # TP=1 default (`uni`, the model in the engine-core process) into `mp`, since OpenMP's binding is
 # set up for a worker process (vllm/platforms/cpu.py). On a GPU host it stays `uni`.
@@ -87,11 +90,10 @@ def start(kind: str, work: Path, head: RayHead, extra: tuple[str, ...] = ()):
         server = VllmServe(work, head if kind == "vllm_serve" else None, extra=extra).start()
     else:
         server = start_daemon(work, head, executor="mp" if kind == "daemon_mp" else "ray", extra=extra,
-                              **({"standby": "none"} if kind in ("daemon_standby_none", "daemon_mp") else
-                                 {"standby_kv": "at_adoption"} if kind == "daemon_kv_at_adoption" else {}))
+                              **SUPERVISOR[kind])
     try:
         server.wait_ready()
-        if kind in ("daemon", "daemon_kv_at_adoption"):
+        if kind in SUPERVISOR and SUPERVISOR[kind].get("standby") != "none":
             server.wait_standby()  # its standby built before the run, as in a server that has been up a while
     except BaseException:
         server.stop()

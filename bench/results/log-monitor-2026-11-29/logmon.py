@@ -14,35 +14,22 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import cpu_s
+from bench.common import tree_cpu_s
+from bench.serving_overhead import process_name
 from chaos import inject
 from chaos.harness import OPERATOR_ENV, Daemon, RayHead, marked_pids
 
 
-def title(pid: int) -> str:
-    try:
-        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return "?"
-    words = [w.decode(errors="replace") for w in cmd if w]
-    for w in words:
-        for name in ("log_monitor.py", "monitor.py", "dashboard.py", "agent.py", "ray.util.client.server"):
-            if w.endswith(name) or w == name:
-                return name
-    return os.path.basename(words[0]) if words else "?"
-
-
 def window(head: RayHead, seconds: float = 30.0) -> dict:
-    pids = {p: title(p) for p in marked_pids(head.marker)}
-    before = {p: cpu_s(p) for p in pids}
+    pids = marked_pids(head.marker)
+    before = tree_cpu_s(pids)
     time.sleep(seconds)
+    after = tree_cpu_s(pids)
     out: dict[str, float] = {}
-    for p, name in pids.items():
-        try:
-            out[name] = out.get(name, 0.0) + 100 * (cpu_s(p) - before[p]) / seconds
-        except OSError:
-            pass
-    logmon = [p for p, n in pids.items() if n == "log_monitor.py"]
+    for p in after:
+        name = process_name(p)
+        out[name] = out.get(name, 0.0) + 100 * (after[p] - before.get(p, after[p])) / seconds
+    logmon = [p for p in after if process_name(p) == "log_monitor.py"]
     fds = len(os.listdir(f"/proc/{logmon[0]}/fd")) if logmon else None
     session_logs = Path("/tmp/ray/session_latest/logs").resolve()
     files = sum(1 for f in session_logs.iterdir() if f.is_file())
