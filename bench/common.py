@@ -116,13 +116,13 @@ def plain_vllm_serve(workdir: Path, *extra: str, max_model_len: int = 256) -> It
 
 
 def start_daemon(workdir: Path, head: RayHead, tp: int = 1, max_model_len: int = 1024, executor: str = "ray",
-                 extra: tuple[str, ...] = (), **supervisor: Any) -> Daemon:
+                 extra: tuple[str, ...] = (), env: dict[str, str] | None = None, **supervisor: Any) -> Daemon:
     config = {"engine": {"tensor_parallel_size": tp, "max_model_len": max_model_len, "executor": executor},
               "ray": {"address": head.address}, "supervisor": supervisor}
     # the same front-end flag as VllmServe: vLLM's access log off in both; in a session of its
     # own, as VllmServe starts `vllm serve`, so the kernel's autogroups weigh both alike against
     # the benchmark client (in this process's session)
-    return Daemon(workdir, config, env=OPERATOR_ENV, args=("--disable-uvicorn-access-log", *extra), own_session=True).start()
+    return Daemon(workdir, config, env={**OPERATOR_ENV, **(env or {})}, args=("--disable-uvicorn-access-log", *extra), own_session=True).start()
 
 
 def prioritise(pid: int, nice: int) -> None:

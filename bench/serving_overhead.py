@@ -47,6 +47,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.common import HostSteal, VllmServe, base_parser, bench_serve, spread, start_daemon, tree, tree_cpu_s
 from chaos import inject
 from chaos.harness import RayHead
+from supervisor.testhooks import ENV, STANDBY_WITHOUT_ENV
 
 METRICS = [
     ("request_throughput", "request throughput", "higher"),
@@ -71,14 +72,23 @@ METRICS = [
 TTFT_PARTS = ("ttft_outside_ms", "ttft_between_ms", "ttft_queue_ms", "ttft_prefill_ms")
 LABELS = {"vllm_serve": "vllm serve", "daemon": "daemon (defaults)", "daemon_standby_none": "daemon, standby none",
           "daemon_kv_at_adoption": "daemon, standby_kv at_adoption",
+          "daemon_without_starter": "daemon, standby: worker made cold", "daemon_without_idle": "daemon, standby: no idle standby",
+          "daemon_without_poll": "daemon, standby: no liveness poll",
           "vllm_serve_mp": "vllm serve (mp)", "daemon_mp": "daemon (mp)"}
 # Each daemon is compared with `vllm serve` on the same executor: supervision's own cost is the
 # difference within each pair (Ray V2 with our executor class on the same Ray head; vLLM's `mp`).
 BASELINE = {"daemon": "vllm_serve", "daemon_standby_none": "vllm_serve", "daemon_kv_at_adoption": "vllm_serve",
-            "daemon_mp": "vllm_serve_mp"}
+            "daemon_without_starter": "vllm_serve", "daemon_without_idle": "vllm_serve",
+            "daemon_without_poll": "vllm_serve", "daemon_mp": "vllm_serve_mp"}
 # each daemon kind's `[supervisor]` settings besides the defaults
 SUPERVISOR = {"daemon": {}, "daemon_standby_none": {"standby": "none"}, "daemon_kv_at_adoption": {"standby_kv": "at_adoption"},
+              "daemon_without_starter": {}, "daemon_without_idle": {}, "daemon_without_poll": {},
               "daemon_mp": {"standby": "none"}}
+# the warm standby's parts a daemon kind leaves out, to measure them apart (``supervisor.testhooks``:
+# the test hooks' switch on, the only other effect of which on serving is a per-step check in the
+# worker for a poisoned request): the workers made cold by vLLM's executor; no standby prepared
+# after the build (no fork server, idle worker or liveness poll); the ready standby not polled
+WITHOUT = {"daemon_without_starter": "starter", "daemon_without_idle": "idle", "daemon_without_poll": "poll"}
 # `vllm serve` without --distributed-executor-backend is `mp` here: vLLM's CPU platform turns its
 # TP=1 default (`uni`, the model in the engine-core process) into `mp`, since OpenMP's binding is
 # set up for a worker process (vllm/platforms/cpu.py). On a GPU host it stays `uni`.
@@ -89,11 +99,12 @@ def start(kind: str, work: Path, head: RayHead, extra: tuple[str, ...] = ()):
     if kind in ("vllm_serve", "vllm_serve_mp"):
         server = VllmServe(work, head if kind == "vllm_serve" else None, extra=extra).start()
     else:
-        server = start_daemon(work, head, executor="mp" if kind == "daemon_mp" else "ray", extra=extra,
+        env = {ENV: "1", STANDBY_WITHOUT_ENV: WITHOUT[kind]} if kind in WITHOUT else {}
+        server = start_daemon(work, head, executor="mp" if kind == "daemon_mp" else "ray", extra=extra, env=env,
                               **SUPERVISOR[kind])
     try:
         server.wait_ready()
-        if kind in SUPERVISOR and SUPERVISOR[kind].get("standby") != "none":
+        if kind in SUPERVISOR and SUPERVISOR[kind].get("standby") != "none" and WITHOUT.get(kind) != "idle":
             server.wait_standby()  # its standby built before the run, as in a server that has been up a while
     except BaseException:
         server.stop()

@@ -28,7 +28,7 @@ import enum
 import time
 from typing import Any
 
-from supervisor import logs
+from supervisor import logs, testhooks
 from supervisor.standby_workers import StandbyWorkers
 
 log = logs.get_logger("vllm_supervisor.standby")
@@ -81,6 +81,7 @@ class Standby:
         self.last_error = ""
         self._task: asyncio.Task | None = None
         self._creating = asyncio.Lock()
+        self._without = testhooks.standby_without()  # parts left out, for a bench only
         metrics.set_standby(self.state.value)
 
     # --- state ------------------------------------------------------------------------
@@ -120,7 +121,7 @@ class Standby:
         """Start preparing the standby for generation number ``generation``, on the nodes of
         ``replica``'s placement group (the replica that just came up). True when it started:
         the owner then reserves that number for it (``reserved``)."""
-        if not self.enabled or self.state is not StandbyState.OFF:
+        if not self.enabled or self.state is not StandbyState.OFF or "idle" in self._without:
             return False
         self.generation, self.replica, self._unclaimed = generation, replica, generation
         self._to(StandbyState.PREPARING, f"a generation came up (replica {replica})")
@@ -166,7 +167,7 @@ class Standby:
         """What the build of ``generation`` starts its own workers with when it has none of the
         standby's to adopt (``StandbyWorkers.starter``): with a warm standby only (the Ray agent
         holds vLLM's import for it anyway); None with ``standby = "none"``."""
-        return self.host.starter(generation, replica) if self.enabled else None
+        return self.host.starter(generation, replica) if self.enabled and "starter" not in self._without else None
 
     def adopted(self, generation: int, serving_workers: list[dict[str, Any]], count: bool = True) -> dict[str, Any]:
         """After a successful build: which ranks run in a standby's process. ``count``: false
@@ -289,6 +290,8 @@ class Standby:
 
     async def _watch(self, generation: int, vllm_config: Any) -> None:
         """Until claimed: a dead part is replaced (never a serving failure)."""
+        if "poll" in self._without:
+            await asyncio.Event().wait()  # until claimed (cancelled)
         while True:
             await asyncio.sleep(POLL_S)
             lost = []

@@ -15,6 +15,9 @@ it, so the request is established there when it holds (``supervisor.suspects``).
 
 Without the step clock (``VLLM_SUPERVISOR_TEST_TOKEN_CLOCK=1``): tokens are the probe's clock.
 
+Parts of the warm standby left out (``VLLM_SUPERVISOR_TEST_STANDBY_WITHOUT=starter,idle,poll``), so
+that ``bench.serving_overhead`` measures what each costs a serving engine (``standby_without``).
+
 The executor's own hooks (which death report comes first) live in ``executor.testhooks``."""
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ HOLD_MIDCHAR = "supervisor_test_hold_midchar"
 HOLD_AFTER = "supervisor_test_hold_after"
 HOLD_ENGINES = "supervisor_test_hold_engines"
 TOKEN_CLOCK_ENV = "VLLM_SUPERVISOR_TEST_TOKEN_CLOCK"
+STANDBY_WITHOUT_ENV = "VLLM_SUPERVISOR_TEST_STANDBY_WITHOUT"
+STANDBY_PARTS = ("starter", "idle", "poll")
 
 
 def token_clock_only() -> bool:
@@ -38,6 +43,23 @@ def token_clock_only() -> bool:
     import os
 
     return enabled() and os.environ.get(TOKEN_CLOCK_ENV, "") == "1"
+
+
+def standby_without() -> frozenset[str]:
+    """The warm standby's parts left out (``VLLM_SUPERVISOR_TEST_STANDBY_WITHOUT``, a comma list,
+    with the hooks on): ``starter``, each build's workers created by vLLM's executor, as with
+    ``standby = "none"``, not through the Ray agent; ``idle``, no standby prepared after a
+    build (no fork server, idle worker or liveness poll); ``poll``, a ready standby's liveness
+    not polled. An unknown part is an error, so a bench cannot measure a misspelt one."""
+    import os
+
+    if not enabled():
+        return frozenset()
+    parts = frozenset(p.strip() for p in os.environ.get(STANDBY_WITHOUT_ENV, "").split(",") if p.strip())
+    unknown = parts - set(STANDBY_PARTS)
+    if unknown:
+        raise ValueError(f"{STANDBY_WITHOUT_ENV}: unknown standby part(s) {sorted(unknown)}; known: {', '.join(STANDBY_PARTS)}")
+    return parts
 
 
 def _count(params: Any, key: str) -> int | None:

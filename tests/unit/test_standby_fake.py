@@ -164,3 +164,49 @@ def test_a_failed_start_of_the_builds_own_workers_leaves_none_and_the_build_goes
         owner.cancel()
 
     run(scenario())
+
+
+def test_a_bench_can_leave_each_standby_part_out_only_with_the_hooks_on(tmp_path, monkeypatch):
+    """``VLLM_SUPERVISOR_TEST_STANDBY_WITHOUT`` (bench.serving_overhead measures the parts apart):
+    ``starter``, the build's workers made by vLLM's executor; ``idle``, no standby after the build;
+    ``poll``, a ready standby not watched. Without the hooks' switch it changes nothing."""
+    import pytest
+
+    from supervisor import testhooks
+
+    async def started(without: str, hooks: str = "1"):
+        monkeypatch.setenv(testhooks.ENV, hooks)
+        monkeypatch.setenv(testhooks.STANDBY_WITHOUT_ENV, without)
+        sup = FakeSupervisor(settings(tmp_path))
+        owner = asyncio.create_task(sup.run())
+        await wait_for(lambda: sup.state is State.READY)
+        return sup, owner
+
+    async def scenario():
+        sup, owner = await started("starter")
+        await wait_for(lambda: sup.standby.state is StandbyState.READY)
+        assert sup.builder.serving[1] == "cold-1" and sup.builder.started_early == []
+        owner.cancel()
+
+        sup, owner = await started("idle")
+        await asyncio.sleep(0.3)
+        assert sup.builder.serving[1] != "cold-1" and len(sup.builder.started_early) == 1
+        assert sup.standby.state is StandbyState.OFF and not sup.builder.standby_made and not sup.builder.forkserver_up
+        owner.cancel()
+
+        sup, owner = await started("poll")
+        await wait_for(lambda: sup.standby.state is StandbyState.READY)
+        sup.builder.actor_states[sup.builder.standby_made[0]["actor_id"]] = "DEAD"
+        await asyncio.sleep(2.5)  # watched, it is replaced within about 2 s (the test above)
+        assert sup.standby.replacements == 0 and len(sup.builder.standby_made) == 1
+        owner.cancel()
+
+        sup, owner = await started("idle", hooks="")  # the hooks off: a default standby
+        await wait_for(lambda: sup.standby.state is StandbyState.READY)
+        owner.cancel()
+
+    run(scenario())
+    monkeypatch.setenv(testhooks.ENV, "1")
+    monkeypatch.setenv(testhooks.STANDBY_WITHOUT_ENV, "starter,idel")
+    with pytest.raises(ValueError, match="idel"):
+        testhooks.standby_without()
