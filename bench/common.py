@@ -199,6 +199,60 @@ class HostSteal:
         return round(100 * (self.read() - self.steal) / (took * (os.cpu_count() or 1)), 3)
 
 
+# ``HostSpeed``'s fixed work, in a process of its own: small float32 matrix products on one
+# thread (a model's kind of work, in the core's caches), a Python loop (a front's), and a sum
+# over 16 MiB (more than the caches hold: the memory's bandwidth), each timed by the CPU time it
+# took (``time.thread_time``: waiting for a core is not counted), one sample every PERIOD s.
+_SPEED_WORK = """
+import sys, time
+import numpy as np
+a = np.random.default_rng(0).standard_normal((128, 128)).astype(np.float32)
+big = np.ones(4 << 20, dtype=np.float32)
+def sample():
+    t0 = time.thread_time()
+    for _ in range(32):
+        a @ a
+    t1 = time.thread_time()
+    s = 0
+    for i in range(20000):
+        s += i * i
+    t2 = time.thread_time()
+    big.sum()
+    t3 = time.thread_time()
+    return (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3
+sample()
+while True:
+    print("%.4f %.4f %.4f" % sample(), flush=True)
+    time.sleep(float(sys.argv[1]))
+"""
+
+
+class HostSpeed:
+    """The host's speed while a window ran: how much CPU time a fixed piece of work took
+    (``_SPEED_WORK``, ≈ 3 ms every half second in a process of its own: ≈ 0.6 % of a core). On
+    a virtual machine a neighbour can slow a core without any steal (the other thread of a
+    shared core, its caches, its memory bandwidth): the same work then takes more CPU time, and so
+    does a server's. ``stop()``: the median ms of each part over the window; windows whose work
+    took longer ran on a slower host."""
+
+    PERIOD_S = 0.5
+    PARTS = ("matmul", "python", "memory")
+
+    def __init__(self):
+        one = {v: "1" for v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
+        self.proc = subprocess.Popen([sys.executable, "-c", _SPEED_WORK, str(self.PERIOD_S)], stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, text=True, env={**os.environ, **one})
+
+    def stop(self) -> dict[str, float | int | None]:
+        self.proc.terminate()
+        out, _ = self.proc.communicate(timeout=30)
+        samples = [tuple(map(float, line.split())) for line in out.splitlines() if len(line.split()) == len(self.PARTS)]
+        result: dict[str, float | int | None] = {
+            f"host_{part}_ms": round(statistics.median(s[i] for s in samples), 4) if samples else None
+            for i, part in enumerate(self.PARTS)}
+        return {**result, "host_speed_samples": len(samples)}
+
+
 def tree(roots: list[int] | int, marker: str | None = None) -> list[int]:
     """``roots`` and their descendants, plus the processes carrying ``marker`` (a Ray head's)."""
     from chaos.harness import marked_pids

@@ -44,7 +44,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.common import HostSteal, VllmServe, base_parser, bench_serve, spread, start_daemon, tree, tree_cpu_s
+from bench.common import HostSpeed, HostSteal, VllmServe, base_parser, bench_serve, spread, start_daemon, tree, tree_cpu_s
 from chaos import inject
 from chaos.harness import RayHead
 from supervisor.testhooks import ENV, STANDBY_WITHOUT_ENV
@@ -68,6 +68,8 @@ METRICS = [
     ("ttft_between_ms", "... on the way to the engine core and back (ms)", "info"),
     ("ttft_queue_ms", "... waiting in the engine core for a step (ms)", "info"),
     ("ttft_prefill_ms", "... scheduled to first token (ms)", "info"),
+    ("host_matmul_ms", "the host's fixed work during the window: matrix products (CPU ms; more is a slower host)", "info"),
+    ("host_python_ms", "... a Python loop (CPU ms)", "info"),
 ]
 TTFT_PARTS = ("ttft_outside_ms", "ttft_between_ms", "ttft_queue_ms", "ttft_prefill_ms")
 LABELS = {"vllm_serve": "vllm serve", "daemon": "daemon (defaults)", "daemon_standby_none": "daemon, standby none",
@@ -239,10 +241,13 @@ def measure(server, work: Path, name: str, head: RayHead, args) -> dict:
     before = tree_cpu_s(pids)
     histograms_before = vllm_histograms(server.base_url)
     generation_before = generation(server)
-    steal = HostSteal()
-    result = bench_serve(server.base_url, work, name, args.num_prompts, args.rate, args.input_len,
-                         args.output_len, seed=0, max_concurrency=args.max_concurrency, client_nice=args.client_nice)
-    result["host_steal_pct"] = steal.pct()
+    steal, speed = HostSteal(), HostSpeed()
+    try:
+        result = bench_serve(server.base_url, work, name, args.num_prompts, args.rate, args.input_len,
+                             args.output_len, seed=0, max_concurrency=args.max_concurrency, client_nice=args.client_nice)
+    finally:
+        host = speed.stop()
+    result.update(host, host_steal_pct=steal.pct())
     after = tree_cpu_s(tree(server.proc.pid, head.marker))
     histograms_after = vllm_histograms(server.base_url)
     (steps_before, tokens_before), (steps_after, tokens_after) = histograms_before["steps"], histograms_after["steps"]
@@ -330,7 +335,8 @@ def report(r: int, kind: str, result: dict) -> dict:
     print(f"round {r + 1} {kind}: {result['request_throughput']:.2f} req/s, {result['output_throughput']:.0f} tok/s, "
           f"TTFT p50 {result['p50_ttft_ms']:.1f} ms, ITL p50 {result['p50_itl_ms']:.2f} ms, "
           f"{result['cpu_ms_per_token']:.2f} CPU-ms/token, {result['chunks_per_request']:.1f} chunks/request, "
-          f"host steal {result.get('host_steal_pct', 0):.2f} %, "
+          f"host steal {result.get('host_steal_pct', 0):.2f} %, host work {result.get('host_matmul_ms') or 0:.3f} + "
+          f"{result.get('host_python_ms') or 0:.3f} ms, "
           + ("its engine was rebuilt in this round" if result["engine_restarted"] else
              f"{result['tokens_per_step']:.2f} tokens/step, {result['step_ms']:.2f} ms/step"), flush=True)
     rest = result.get("cpu_ms_per_token_rest_by_process", {})
@@ -425,11 +431,13 @@ def main() -> int:
           for key, (op, goal) in GOALS.items()],
     ]
     table += [
-        "", "Each round (request/s, output tok/s, TTFT p50 ms, ITL p50 ms, CPU-ms per token, the host's steal %):", "",
+        "", "Each round (request/s, output tok/s, TTFT p50 ms, ITL p50 ms, CPU-ms per token, the host's steal %, "
+        "the host's fixed work in CPU ms: matrix products + Python loop):", "",
         "| round | " + " | ".join(LABELS[k] for k in kinds) + " |", "| --- | " + " | ".join("---" for _ in kinds) + " |",
         *[f"| {i + 1} | " + " | ".join(
             f"{x['request_throughput']:.2f}, {x['output_throughput']:.0f}, {x['p50_ttft_ms']:.1f}, {x['p50_itl_ms']:.2f}, "
-            f"{x['cpu_ms_per_token']:.2f}, {x.get('host_steal_pct', 0):.2f}{' (its engine was rebuilt in this round)' if x.get('engine_restarted') else ''}"
+            f"{x['cpu_ms_per_token']:.2f}, {x.get('host_steal_pct', 0):.2f}, "
+            f"{x.get('host_matmul_ms') or 0:.3f} + {x.get('host_python_ms') or 0:.3f}{' (its engine was rebuilt in this round)' if x.get('engine_restarted') else ''}"
             for x in (runs[k][i] for k in kinds)) + " |" for i in range(args.rounds)],
     ]
     rest = {k: [x.get("cpu_ms_per_token_rest_by_process", {}) for x in runs[k]] for k in kinds}
