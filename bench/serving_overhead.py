@@ -70,6 +70,7 @@ METRICS = [
     ("ttft_prefill_ms", "... scheduled to first token (ms)", "info"),
     ("host_matmul_ms", "the host's fixed work during the window: matrix products (CPU ms; more is a slower host)", "info"),
     ("host_python_ms", "... a Python loop (CPU ms)", "info"),
+    ("host_memory_ms", "... a sum over 16 MiB (CPU ms)", "info"),
 ]
 TTFT_PARTS = ("ttft_outside_ms", "ttft_between_ms", "ttft_queue_ms", "ttft_prefill_ms")
 LABELS = {"vllm_serve": "vllm serve", "daemon": "daemon (defaults)", "daemon_standby_none": "daemon, standby none",
@@ -238,9 +239,9 @@ def generation(server) -> int | None:
 def measure(server, work: Path, name: str, head: RayHead, args) -> dict:
     """``vllm bench serve`` against ``server``, and the CPU its tree (and the Ray head's) spent."""
     pids = tree(server.proc.pid, head.marker)
-    before = tree_cpu_s(pids)
-    histograms_before = vllm_histograms(server.base_url)
+    histograms_before = vllm_histograms(server.base_url)  # a scrape renders every metric: not in the window
     generation_before = generation(server)
+    before = tree_cpu_s(pids)
     steal, speed = HostSteal(), HostSpeed()
     try:
         result = bench_serve(server.base_url, work, name, args.num_prompts, args.rate, args.input_len,
@@ -336,7 +337,7 @@ def report(r: int, kind: str, result: dict) -> dict:
           f"TTFT p50 {result['p50_ttft_ms']:.1f} ms, ITL p50 {result['p50_itl_ms']:.2f} ms, "
           f"{result['cpu_ms_per_token']:.2f} CPU-ms/token, {result['chunks_per_request']:.1f} chunks/request, "
           f"host steal {result.get('host_steal_pct', 0):.2f} %, host work {result.get('host_matmul_ms') or 0:.3f} + "
-          f"{result.get('host_python_ms') or 0:.3f} ms, "
+          f"{result.get('host_python_ms') or 0:.3f} + {result.get('host_memory_ms') or 0:.3f} ms, "
           + ("its engine was rebuilt in this round" if result["engine_restarted"] else
              f"{result['tokens_per_step']:.2f} tokens/step, {result['step_ms']:.2f} ms/step"), flush=True)
     rest = result.get("cpu_ms_per_token_rest_by_process", {})
@@ -432,12 +433,12 @@ def main() -> int:
     ]
     table += [
         "", "Each round (request/s, output tok/s, TTFT p50 ms, ITL p50 ms, CPU-ms per token, the host's steal %, "
-        "the host's fixed work in CPU ms: matrix products + Python loop):", "",
+        "the host's fixed work in CPU ms: matrix products + Python loop + memory sum):", "",
         "| round | " + " | ".join(LABELS[k] for k in kinds) + " |", "| --- | " + " | ".join("---" for _ in kinds) + " |",
         *[f"| {i + 1} | " + " | ".join(
             f"{x['request_throughput']:.2f}, {x['output_throughput']:.0f}, {x['p50_ttft_ms']:.1f}, {x['p50_itl_ms']:.2f}, "
             f"{x['cpu_ms_per_token']:.2f}, {x.get('host_steal_pct', 0):.2f}, "
-            f"{x.get('host_matmul_ms') or 0:.3f} + {x.get('host_python_ms') or 0:.3f}{' (its engine was rebuilt in this round)' if x.get('engine_restarted') else ''}"
+            f"{x.get('host_matmul_ms') or 0:.3f} + {x.get('host_python_ms') or 0:.3f} + {x.get('host_memory_ms') or 0:.3f}{' (its engine was rebuilt in this round)' if x.get('engine_restarted') else ''}"
             for x in (runs[k][i] for k in kinds)) + " |" for i in range(args.rounds)],
     ]
     rest = {k: [x.get("cpu_ms_per_token_rest_by_process", {}) for x in runs[k]] for k in kinds}
