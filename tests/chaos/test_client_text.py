@@ -77,8 +77,10 @@ def test_two_kills_per_round_client_text_equals_a_fault_free_run(daemon, ray_hea
     held_at_kill: list[int] = []
 
     def all_held() -> bool:
+        # every request that holds (all but the stopped ones), not only those the daemon has so far:
+        # on a busy machine a request can reach it after the first ones hold (CI at cedc8fb: 10 of 12)
         s = daemon.status()
-        return s["test_held"] > 0 and s["test_held"] == s["in_flight"]
+        return s["test_held"] >= N - len(STOPPED) and s["test_held"] == s["in_flight"]
 
     sent = fresh(requests, HOLD_AFTER)
 
