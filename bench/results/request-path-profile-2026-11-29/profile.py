@@ -1,9 +1,23 @@
-import asyncio, cProfile, pstats, sys, tempfile, time
-from pathlib import Path
-sys.path.insert(0, "/work/main")
-from bench import request_path as rp
+"""``bench.request_path``'s load under cProfile (the thread's CPU clock): 400 requests of 128
+tokens, 8 at once, over the unit tests' instant engine, read through the daemon's request path
+(``daemon``) or from the engine's stream alone (``engine``); the top 25 functions by own time.
 
-class A: requests=400; tokens=128; concurrency=8; rounds=1
+    .venv/bin/python bench/results/request-path-profile-2026-11-29/profile.py daemon|engine
+"""
+
+import asyncio
+import cProfile
+import pstats
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository
+
+from bench import request_path as rp  # noqa: E402
+
+
 async def main():
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
