@@ -33,6 +33,7 @@ Without ``--interleave`` only one server is up at a time, which is what the ``mp
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import statistics
@@ -40,6 +41,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+from typing import Any, Iterator
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -292,13 +294,20 @@ def engine_flags(args) -> tuple[str, ...]:
     return ("--max-num-seqs", str(args.max_num_seqs)) if args.max_num_seqs else ()
 
 
-def run_one(kind: str, work: Path, head: RayHead, r: int, args) -> dict:
-    server = start(kind, work, head, engine_flags(args))
+@contextlib.contextmanager
+def warm_server(kind: str, work: Path, head: RayHead, name: str, args, extra: tuple[str, ...] = ()) -> Iterator[Any]:
+    """``kind``'s server (``start``), warmed up (``warm_up``) for the block, stopped after it."""
+    server = start(kind, work, head, extra)
     try:
-        warm_up(server, work, f"{kind}-{r}", args)
-        return measure(server, work, f"{kind}-{r}", head, args)
+        warm_up(server, work, name, args)
+        yield server
     finally:
         server.stop()
+
+
+def run_one(kind: str, work: Path, head: RayHead, r: int, args) -> dict:
+    with warm_server(kind, work, head, f"{kind}-{r}", args, engine_flags(args)) as server:
+        return measure(server, work, f"{kind}-{r}", head, args)
 
 
 def run_rounds(kinds: list[str], work: Path, head: RayHead, args) -> dict[str, list[dict]]:
@@ -332,12 +341,16 @@ def run_interleaved(kinds: list[str], work: Path, head: RayHead, args) -> dict[s
     return runs
 
 
+def host_work(result: dict) -> str:
+    """The host gauge's parts (``HostSpeed``) in CPU ms, as "matmul + python + memory"."""
+    return " + ".join(f"{result.get(f'host_{part}_ms') or 0:.3f}" for part in HostSpeed.PARTS)
+
+
 def report(r: int, kind: str, result: dict) -> dict:
     print(f"round {r + 1} {kind}: {result['request_throughput']:.2f} req/s, {result['output_throughput']:.0f} tok/s, "
           f"TTFT p50 {result['p50_ttft_ms']:.1f} ms, ITL p50 {result['p50_itl_ms']:.2f} ms, "
           f"{result['cpu_ms_per_token']:.2f} CPU-ms/token, {result['chunks_per_request']:.1f} chunks/request, "
-          f"host steal {result.get('host_steal_pct', 0):.2f} %, host work {result.get('host_matmul_ms') or 0:.3f} + "
-          f"{result.get('host_python_ms') or 0:.3f} + {result.get('host_memory_ms') or 0:.3f} ms, "
+          f"host steal {result.get('host_steal_pct', 0):.2f} %, host work {host_work(result)} ms, "
           + ("its engine was rebuilt in this round" if result["engine_restarted"] else
              f"{result['tokens_per_step']:.2f} tokens/step, {result['step_ms']:.2f} ms/step"), flush=True)
     rest = result.get("cpu_ms_per_token_rest_by_process", {})
@@ -438,7 +451,7 @@ def main() -> int:
         *[f"| {i + 1} | " + " | ".join(
             f"{x['request_throughput']:.2f}, {x['output_throughput']:.0f}, {x['p50_ttft_ms']:.1f}, {x['p50_itl_ms']:.2f}, "
             f"{x['cpu_ms_per_token']:.2f}, {x.get('host_steal_pct', 0):.2f}, "
-            f"{x.get('host_matmul_ms') or 0:.3f} + {x.get('host_python_ms') or 0:.3f} + {x.get('host_memory_ms') or 0:.3f}{' (its engine was rebuilt in this round)' if x.get('engine_restarted') else ''}"
+            f"{host_work(x)}{' (its engine was rebuilt in this round)' if x.get('engine_restarted') else ''}"
             for x in (runs[k][i] for k in kinds)) + " |" for i in range(args.rounds)],
     ]
     rest = {k: [x.get("cpu_ms_per_token_rest_by_process", {}) for x in runs[k]] for k in kinds}

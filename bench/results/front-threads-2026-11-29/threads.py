@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 from bench.common import bench_serve
-from bench.serving_overhead import start, warm_up
+from bench.serving_overhead import warm_server
 from chaos.harness import RayHead
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -43,9 +43,7 @@ def main() -> None:
     try:
         for kind in ("vllm_serve", "daemon", "daemon_standby_none"):
             (work / kind).mkdir()
-            server = start(kind, work / kind, head)
-            try:
-                warm_up(server, work / kind, kind, Args)
+            with warm_server(kind, work / kind, head, kind, Args) as server:
                 pid = server.proc.pid
                 before = threads(pid)
                 result = bench_serve(server.base_url, work / kind, f"{kind}-run", 400, float("inf"), 32, 64,
@@ -59,8 +57,6 @@ def main() -> None:
                 for cpu, switches, name in rows:
                     if cpu > 0 or switches > 50:
                         print(f"  {name:32s} {1e6 * cpu / tokens:8.2f} µs/token  ({switches} switches)", flush=True)
-            finally:
-                server.stop()
     finally:
         head.stop()
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 
 from bench.common import cpu_s
-from bench.serving_overhead import start, warm_up
+from bench.serving_overhead import warm_server
 from chaos.harness import RayHead
 
 
@@ -28,9 +28,7 @@ def main() -> None:
     try:
         for kind in ("vllm_serve", "daemon", "vllm_serve", "daemon"):
             (work / kind).mkdir(exist_ok=True)
-            server = start(kind, work / kind, head)
-            try:
-                warm_up(server, work / kind, kind, Args)
+            with warm_server(kind, work / kind, head, kind, Args) as server:
                 time.sleep(3)
                 pid = server.proc.pid
                 idle0 = cpu_s(pid)
@@ -44,8 +42,6 @@ def main() -> None:
                 spent = cpu_s(pid) - before - idle * took
                 print(f"{kind}: {1000 * spent / scrapes:.1f} CPU-ms per scrape ({scrapes} scrapes, {size} bytes, "
                       f"{1000 * took / scrapes:.1f} ms each by the wall; idle {100 * idle:.2f} % taken out)", flush=True)
-            finally:
-                server.stop()
     finally:
         head.stop()
 
