@@ -88,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import uvloop
 
+    from supervisor import logs
+
+    logs.configure("info", "json")  # as the daemon logs by default: its per-request debug lines filtered out
+
     with tempfile.TemporaryDirectory() as work:  # on the daemon's event loop (supervisor.cli.run)
         rows = uvloop.run(_measure(args, Path(work)))
     med = {p: statistics.median(r["us_per_token"] for r in rows if r["path"] == p) for p in dict.fromkeys(r["path"] for r in rows)}

@@ -15,6 +15,8 @@ from typing import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from health.loop_histogram import LoopHistogram
+
 PREFIX = "vllm_supervisor_"
 STATES = ("starting", "ready", "recovering", "draining", "stopping", "stopped", "failed")
 DEATH_CAUSES = ("killed", "exited", "oom", "node_lost", "unknown")
@@ -81,9 +83,11 @@ class SupervisorMetrics:
         self.in_flight = Gauge(p + "requests_in_flight", "Requests being served, parked or queued", registry=r)
         self.parked = Gauge(p + "requests_parked", "In-flight requests waiting for the next engine", registry=r)
         self.queue_depth = Gauge(p + "admission_queue_depth", "New requests waiting for an engine", registry=r)
-        self.ttft = Histogram(p + "time_to_first_token_seconds", "Request arrival to first token", buckets=TTFT_BUCKETS, registry=r)
-        self.itl = Histogram(p + "inter_token_latency_seconds", "Time between tokens of a stream", buckets=ITL_BUCKETS, registry=r)
-        self.e2e = Histogram(p + "request_duration_seconds", "Request arrival to last token", buckets=E2E_BUCKETS, registry=r)
+        # observed on the event loop, per request or per output: plain bucket counts read at
+        # scrape (health.loop_histogram), the same series as prometheus-client's Histogram
+        self.ttft = LoopHistogram(p + "time_to_first_token_seconds", "Request arrival to first token", buckets=TTFT_BUCKETS, registry=r)
+        self.itl = LoopHistogram(p + "inter_token_latency_seconds", "Time between tokens of a stream", buckets=ITL_BUCKETS, registry=r)
+        self.e2e = LoopHistogram(p + "request_duration_seconds", "Request arrival to last token", buckets=E2E_BUCKETS, registry=r)
         self.probe_latency = Histogram(p + "probe_duration_seconds", "Duration of the canary generation", ["replica"],
                                        buckets=PROBE_BUCKETS, registry=r)
         self.starved_seconds = Counter(

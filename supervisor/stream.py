@@ -11,6 +11,7 @@ fault-free run. A request that sees its engine die says so (``Dispatcher.engine_
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Any, AsyncGenerator, AsyncIterator, Callable, Iterable
 
@@ -29,17 +30,52 @@ from supervisor.suspects import blocking, fingerprint, may_join
 log = logs.get_logger("vllm_supervisor.requests")
 
 _END = object()
+_NOT_WHOLE = contextlib.nullcontext()  # a choice of several: the request's bookkeeping is ``_choices``'
 
 
-class _Timing:
-    """One client request's latency metrics: time to its first output, between outputs (per
-    token), and the most attempts any of its choices took."""
+class _Request:
+    """One client request's bookkeeping, entered in the body of the generator that streams it
+    (``_choice`` for ``n = 1``, ``_choices`` else), so that a stream that is never read counts
+    nothing: it is in flight from its first read to its end, its outcome is counted as it ends
+    (a client that went away counts none), and its latency metrics are observed: time to its
+    first output, between outputs (per token), arrival to its end. ``attempts``: the most any
+    of its choices took."""
 
-    def __init__(self, metrics: Any):
-        self.m = metrics
-        self.arrived = self.last = time.monotonic()
+    __slots__ = ("streams", "m", "request_id", "prompt", "params", "arrived", "last", "seen", "attempts")
+
+    def __init__(self, streams: "Streams", request_id: str, prompt: Any, params: Any):
+        self.streams, self.m = streams, streams.d.metrics
+        self.request_id, self.prompt, self.params = request_id, prompt, params
+        self.arrived = self.last = 0.0
         self.seen = False
         self.attempts = 0
+
+    def __enter__(self) -> "_Request":
+        s, p = self.streams, self.params
+        n_prompt = len(self.prompt.get("prompt_token_ids") or ()) if isinstance(self.prompt, dict) else None
+        say = log.info if s._log_requests() else log.debug
+        say("request", request_id=self.request_id, prompt_tokens=n_prompt, max_tokens=p.max_tokens,
+            n=p.n, output_kind=p.output_kind.name)
+        s.admission.claim_reservation()
+        s.in_flight += 1
+        s.idle.clear()
+        self.arrived = self.last = time.monotonic()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        s = self.streams
+        try:
+            if kind is None:
+                self.m.e2e.observe(time.monotonic() - self.arrived)
+                s.d.count_outcome("continued" if self.attempts else "ok")
+            elif issubclass(kind, RequestFailed):
+                s.d.count_outcome("failed")
+            elif issubclass(kind, QueryOfDeath):
+                s.d.count_outcome("quarantined")
+        finally:
+            s.in_flight -= 1
+            if s.in_flight == 0:
+                s.idle.set()
 
     def output(self, tokens: int) -> None:
         now = time.monotonic()
@@ -76,44 +112,20 @@ class Streams:
         # client request id -> {choice id: (generation, engine request id)}
         self._live: dict[str, dict[str, tuple[Generation, str]]] = {}
 
-    async def run(self, prompt: Any, sampling_params: Any, request_id: str,
-                  kwargs: dict[str, Any]) -> AsyncGenerator[Any, None]:
+    def run(self, prompt: Any, sampling_params: Any, request_id: str,
+            kwargs: dict[str, Any]) -> AsyncGenerator[Any, None]:
         """Stream ``RequestOutput``s; across a recovery the stream continues on the next
         engine with prompt + delivered tokens. ``n > 1`` runs as ``n`` choices of one token
-        stream each, as vLLM's own ``ParentRequest`` splits it, so each is continued alone."""
-        n_prompt = len(prompt.get("prompt_token_ids") or ()) if isinstance(prompt, dict) else None
-        say = log.info if self._log_requests() else log.debug
-        say("request", request_id=request_id, prompt_tokens=n_prompt, max_tokens=sampling_params.max_tokens,
-            n=sampling_params.n, output_kind=sampling_params.output_kind.name)
-        self.admission.claim_reservation()
-        self.in_flight += 1
-        self.idle.clear()
-        timing = _Timing(self.d.metrics)
-        try:
-            if sampling_params.n == 1:
-                outputs = self._choice(prompt, sampling_params, request_id, kwargs, timing)
-            else:
-                outputs = self._choices(prompt, sampling_params, request_id, kwargs, timing)
-            try:
-                async for out in outputs:
-                    yield out
-            except RequestFailed:
-                self.d.count_outcome("failed")
-                raise
-            except QueryOfDeath:
-                self.d.count_outcome("quarantined")
-                raise
-            finally:
-                await outputs.aclose()
-            self.d.metrics.e2e.observe(time.monotonic() - timing.arrived)
-            self.d.count_outcome("continued" if timing.attempts else "ok")
-        finally:
-            self.in_flight -= 1
-            if self.in_flight == 0:
-                self.idle.set()
+        stream each, as vLLM's own ``ParentRequest`` splits it, so each is continued alone.
+        ``n = 1`` is its one choice's stream itself: no generator passes its outputs on (one
+        layer less per output, ``bench.request_path``)."""
+        request = _Request(self, request_id, prompt, sampling_params)
+        if sampling_params.n == 1:
+            return self._choice(prompt, sampling_params, request_id, kwargs, request, whole=True)
+        return self._choices(prompt, sampling_params, request_id, kwargs, request)
 
     async def _choices(self, prompt: Any, params: Any, request_id: str, kwargs: dict[str, Any],
-                       timing: "_Timing") -> AsyncGenerator[Any, None]:
+                       request: _Request) -> AsyncGenerator[Any, None]:
         """``n > 1``: each choice as a request of its own (``n = 1``, ``seed + index``, vLLM's
         child parameters), merged as vLLM's ``ParentRequest`` merges them: streamed, each
         output as it comes, finished with the last choice; not streamed, one output with the
@@ -124,111 +136,114 @@ class Streams:
         async def drive(index: int) -> None:
             try:
                 async for out in self._choice(prompt, child_params(params, index), f"{index}_{request_id}",
-                                              kwargs, timing, client_id=request_id):
+                                              kwargs, request, client_id=request_id):
                     queue.put_nowait((index, out))
             except BaseException as exc:  # noqa: BLE001 (handed to the reader)
                 queue.put_nowait((index, exc))
                 return
             queue.put_nowait((index, _END))
 
-        tasks = [asyncio.create_task(drive(i), name=f"{i}_{request_id}") for i in range(n)]
-        finals: list[Any] = [None] * n
-        try:
-            running = n
-            while running:
-                index, out = await queue.get()
-                if out is _END:
-                    running -= 1
-                    continue
-                if isinstance(out, BaseException):
-                    raise out
-                out.request_id = request_id
-                out.outputs[0].index = index
-                if out.finished:
-                    finals[index] = out.outputs[0]
-                out.finished = all(c is not None for c in finals)
-                if not final_only:
-                    yield out
-                elif out.finished:
-                    out.outputs = list(finals)
-                    yield out
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        with request:
+            tasks = [asyncio.create_task(drive(i), name=f"{i}_{request_id}") for i in range(n)]
+            finals: list[Any] = [None] * n
+            try:
+                running = n
+                while running:
+                    index, out = await queue.get()
+                    if out is _END:
+                        running -= 1
+                        continue
+                    if isinstance(out, BaseException):
+                        raise out
+                    out.request_id = request_id
+                    out.outputs[0].index = index
+                    if out.finished:
+                        finals[index] = out.outputs[0]
+                    out.finished = all(c is not None for c in finals)
+                    if not final_only:
+                        yield out
+                    elif out.finished:
+                        out.outputs = list(finals)
+                        yield out
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _choice(self, prompt: Any, sampling_params: Any, request_id: str, kwargs: dict[str, Any],
-                      timing: "_Timing", client_id: str | None = None) -> AsyncGenerator[Any, None]:
+                      request: _Request, client_id: str | None = None, whole: bool = False) -> AsyncGenerator[Any, None]:
         """One token stream (``n = 1``) across engine failures (``Carryover``: what the client
         read, and the text and logprobs' token strings after a seam as the first engine would
         make them; its part in the failures, ``supervisor.suspects``). ``client_id``: the
-        client's request id (``request_id`` is a choice's)."""
-        d = self.d
-        if len(d.quarantine) and isinstance(prompt, dict):  # each choice: its own seed and parameters
-            print_ = fingerprint(prompt.get("prompt_token_ids"), sampling_params)
-            if print_ in d.quarantine:
-                log.warning("request refused: its input crashed two engines", request_id=request_id, input_fingerprint=print_)
-                raise QueryOfDeath(f"request refused: the same input crashed two engines (a query of death) and is "
-                                   f"refused for {d.cfg.quarantine_window_s:g} s (input fingerprint {print_})")
-        req = Carryover(prompt, sampling_params, kwargs, request_id, self._detokenizer, self._tokenizer,
-                        self._engines())
-        hold_at = testhooks.hold_point(req.params) if self.test_hooks else None
-        hold_engines = testhooks.hold_engines(req.params) if hold_at is not None else 0
-        attempt = 0
-        dead: tuple[Generation, ...] = ()  # the generations this request saw fail, the last one last
-        client_id = client_id or request_id
-        while True:
-            gen = await self._admit(req, dead)
-            try:
+        client's request id (``request_id`` is a choice's); ``whole``: the choice is the whole
+        request (``n = 1``), whose bookkeeping it enters."""
+        with request if whole else _NOT_WHOLE:
+            d = self.d
+            if len(d.quarantine) and isinstance(prompt, dict):  # each choice: its own seed and parameters
+                print_ = fingerprint(prompt.get("prompt_token_ids"), sampling_params)
+                if print_ in d.quarantine:
+                    log.warning("request refused: its input crashed two engines", request_id=request_id, input_fingerprint=print_)
+                    raise QueryOfDeath(f"request refused: the same input crashed two engines (a query of death) and is "
+                                       f"refused for {d.cfg.quarantine_window_s:g} s (input fingerprint {print_})")
+            req = Carryover(prompt, sampling_params, kwargs, request_id, self._detokenizer, self._tokenizer,
+                            self._engines())
+            hold_at = testhooks.hold_point(req.params) if self.test_hooks else None
+            hold_engines = testhooks.hold_engines(req.params) if hold_at is not None else 0
+            attempt = 0
+            dead: tuple[Generation, ...] = ()  # the generations this request saw fail, the last one last
+            client_id = client_id or request_id
+            while True:
+                gen = await self._admit(req, dead)
                 try:
-                    sub, engine_prompt, kw = req.next_request()
-                except NotContinuable as exc:
-                    raise RequestFailed(f"request interrupted by an engine failure and cannot be continued exactly ({exc}); retry it") from None
-                rid = request_id if attempt == 0 else f"{request_id}-c{attempt}"
-                stream = self.read(gen, engine_prompt, sub, rid, kw, client_id=client_id, choice=request_id)
-                try:
-                    async for out in stream:
-                        out = req.take(out)
-                        timing.output(len(out.outputs[0].token_ids))
-                        if req.final_only and out.finished:  # one output at the end, as the front asked
-                            out = req.final(out)
-                        if out.finished or not req.final_only:
-                            req.yielded = True
-                            yield out
-                        if out.finished:
-                            break  # a stop string found across the seam ends the request here
-                        if hold_at is not None and attempt < hold_engines:
-                            # on a later engine, counted from there: the request is established there
-                            # (``supervisor.suspects``), so its interruption counts as a plain one
-                            count = req.suspect.outputs_here if attempt else len(req.ids)
-                            await self._maybe_hold(gen, req.ids, count, *hold_at)
-                    # a request continued across a failure is always told (its parking was too)
-                    say = log.info if attempt or self._log_requests() else log.debug
-                    say("request done", request_id=request_id, attempts=attempt + 1,
-                        delivered_tokens=len(req.ids) if req.delta else None)
-                    return
-                except Interrupted:
-                    pass
-                except Exception as exc:
-                    if not is_engine_death(exc, gen):
-                        raise
-                    d.engine_died(gen, f"{type(exc).__name__}: {exc}")
+                    try:
+                        sub, engine_prompt, kw = req.next_request()
+                    except NotContinuable as exc:
+                        raise RequestFailed(f"request interrupted by an engine failure and cannot be continued exactly ({exc}); retry it") from None
+                    rid = request_id if attempt == 0 else f"{request_id}-c{attempt}"
+                    stream = self.read(gen, engine_prompt, sub, rid, kw, client_id=client_id, choice=request_id)
+                    try:
+                        async for out in stream:
+                            out = req.take(out)
+                            request.output(len(out.outputs[0].token_ids))
+                            if req.final_only and out.finished:  # one output at the end, as the front asked
+                                out = req.final(out)
+                            if out.finished or not req.final_only:
+                                req.yielded = True
+                                yield out
+                            if out.finished:
+                                break  # a stop string found across the seam ends the request here
+                            if hold_at is not None and attempt < hold_engines:
+                                # on a later engine, counted from there: the request is established there
+                                # (``supervisor.suspects``), so its interruption counts as a plain one
+                                count = req.suspect.outputs_here if attempt else len(req.ids)
+                                await self._maybe_hold(gen, req.ids, count, *hold_at)
+                        # a request continued across a failure is always told (its parking was too)
+                        say = log.info if attempt or self._log_requests() else log.debug
+                        say("request done", request_id=request_id, attempts=attempt + 1,
+                            delivered_tokens=len(req.ids) if req.delta else None)
+                        return
+                    except Interrupted:
+                        pass
+                    except Exception as exc:
+                        if not is_engine_death(exc, gen):
+                            raise
+                        d.engine_died(gen, f"{type(exc).__name__}: {exc}")
+                    finally:
+                        await stream.aclose()
+                    verdict = gen.failure_verdict()  # while every choice it ran is still listed
                 finally:
-                    await stream.aclose()
-                verdict = gen.failure_verdict()  # while every choice it ran is still listed
-            finally:
-                gen.choices.pop(request_id, None)
-            dead += (gen,)  # the owner may not have marked them failed yet: never re-admit to one
-            attempt += 1
-            timing.attempts = max(timing.attempts, attempt)
-            suspect = req.suspect
-            if suspect.failed(gen.number, request_id, verdict):
-                self._quarantine(req, gen, client_id)
-            if suspect.interruptions > d.cfg.continuation_limit:
-                raise RequestFailed(f"request interrupted {suspect.interruptions} times by engine failures "
-                                    f"(limit {d.cfg.continuation_limit}); retry it")
-            log.info("request parked", request_id=request_id, delivered_tokens=len(req.ids), attempt=attempt,
-                     implicated=request_id in verdict.implicated)
+                    gen.choices.pop(request_id, None)
+                dead += (gen,)  # the owner may not have marked them failed yet: never re-admit to one
+                attempt += 1
+                request.attempts = max(request.attempts, attempt)
+                suspect = req.suspect
+                if suspect.failed(gen.number, request_id, verdict):
+                    self._quarantine(req, gen, client_id)
+                if suspect.interruptions > d.cfg.continuation_limit:
+                    raise RequestFailed(f"request interrupted {suspect.interruptions} times by engine failures "
+                                        f"(limit {d.cfg.continuation_limit}); retry it")
+                log.info("request parked", request_id=request_id, delivered_tokens=len(req.ids), attempt=attempt,
+                         implicated=request_id in verdict.implicated)
 
     async def _admit(self, req: Carryover, dead: tuple[Generation, ...]) -> Generation:
         """The generation ``req`` runs on next, where it is listed at once (``Generation.choices``).

@@ -645,8 +645,37 @@ def test_metrics_follow_the_lifecycle(tmp_path):
         assert m.worker_deaths.labels("0", "killed")._value.get() == 1
         assert m.restarts.labels("0", "worker_death")._value.get() == 1
         assert m.requests.labels("continued")._value.get() == 1
-        assert m.recovery_duration.labels("0")._sum.get() > 0 and m.ttft._sum.get() > 0 and m.e2e._sum.get() > 0
+        assert m.recovery_duration.labels("0")._sum.get() > 0 and m.ttft.sum > 0 and m.e2e.sum > 0
         assert m.worker_up.labels("0", "0")._value.get() == 1
+        owner.cancel()
+
+    run(scenario())
+
+
+def test_a_requests_bookkeeping_ends_however_its_stream_ends(tmp_path):
+    """In flight from its first read to its end, and counted by how it ended: read to the end
+    (``n = 1`` and ``n = 2``), closed by a client that went away (no outcome), never read
+    (never in flight: a generator's body that never ran has nothing to undo)."""
+    async def scenario():
+        sup = FakeSupervisor(settings(tmp_path))
+        owner = asyncio.create_task(sup.run())
+        await wait_for(lambda: sup.state is State.READY)
+        streams, m = sup.client.streams, sup.metrics
+        ok = lambda: m.requests.labels("ok")._value.get()  # noqa: E731
+        seen = []
+        assert await collect(sup, [3], 6, lambda n: seen.append(streams.in_flight)) == reference([3], 6)
+        assert set(seen) == {1} and streams.in_flight == 0 and streams.idle.is_set() and ok() == 1
+        params = SamplingParams(temperature=0.8, seed=1, n=2, max_tokens=4, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+        outs = [out async for out in sup.client.generate({"prompt_token_ids": [5]}, params, "two")]
+        assert outs[-1].finished and streams.in_flight == 0 and streams.idle.is_set() and ok() == 2
+        gone = sup.client.generate({"prompt_token_ids": [7]}, SamplingParams(max_tokens=50, ignore_eos=True), "gone")
+        await gone.__anext__()
+        assert streams.in_flight == 1 and not streams.idle.is_set()
+        await gone.aclose()  # the client went away
+        assert streams.in_flight == 0 and streams.idle.is_set() and ok() == 2 and m.requests.labels("failed")._value.get() == 0
+        sup.client.generate({"prompt_token_ids": [9]}, SamplingParams(max_tokens=5), "unread")  # never read
+        assert streams.in_flight == 0 and streams.idle.is_set()
+        assert m.e2e.count == 2 and m.ttft.count == 3
         owner.cancel()
 
     run(scenario())
