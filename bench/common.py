@@ -180,6 +180,14 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def thread_schedstat(pid: int, tid: int | None = None) -> tuple[float, float, int]:
+    """(seconds on a core, seconds waiting for one while runnable, times it was run) of one
+    thread, the main one by default (an asyncio server's event loop): the kernel's
+    ``/proc/<pid>/task/<tid>/schedstat``."""
+    run_ns, wait_ns, slices = Path(f"/proc/{pid}/task/{tid or pid}/schedstat").read_text().split()
+    return int(run_ns) / 1e9, int(wait_ns) / 1e9, int(slices)
+
+
 class HostSteal:
     """The share of the machine's CPU time its hypervisor gave to others while a window ran
     (``steal`` in ``/proc/stat``, % of all cores). A virtual machine's speed that comes and goes

@@ -46,7 +46,9 @@ from typing import Any, Iterator
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.common import HostSpeed, HostSteal, VllmServe, base_parser, bench_serve, spread, start_daemon, tree, tree_cpu_s
+from bench.common import (
+    HostSpeed, HostSteal, VllmServe, base_parser, bench_serve, spread, start_daemon, thread_schedstat, tree, tree_cpu_s,
+)
 from chaos import inject
 from chaos.harness import RayHead
 from supervisor.testhooks import ENV, STANDBY_WITHOUT_ENV
@@ -66,6 +68,9 @@ METRICS = [
     ("chunks_per_request", "stream chunks per request after the first", "info"),
     ("tokens_per_step", "tokens per engine step (vLLM's iteration_tokens)", "info"),
     ("step_ms", "wall time per engine step (ms)", "info"),
+    ("loop_cpu_us_per_token", "the front's event-loop thread: CPU per output token (µs)", "info"),
+    ("loop_wait_us_per_token", "... waiting for a core while runnable, per output token (µs)", "info"),
+    ("loop_wait_us_per_run", "... that wait per time it was run (µs)", "info"),
     ("ttft_outside_ms", "mean TTFT outside vLLM's (HTTP, tokenising, the server's own layers; ms)", "info"),
     ("ttft_between_ms", "... on the way to the engine core and back (ms)", "info"),
     ("ttft_queue_ms", "... waiting in the engine core for a step (ms)", "info"),
@@ -244,6 +249,7 @@ def measure(server, work: Path, name: str, head: RayHead, args) -> dict:
     histograms_before = vllm_histograms(server.base_url)  # a scrape renders every metric: not in the window
     generation_before = generation(server)
     before = tree_cpu_s(pids)
+    loop_before = thread_schedstat(server.proc.pid)  # the front's event loop (vLLM's API server, the daemon)
     steal, speed = HostSteal(), HostSpeed()
     try:
         result = bench_serve(server.base_url, work, name, args.num_prompts, args.rate, args.input_len,
@@ -252,6 +258,7 @@ def measure(server, work: Path, name: str, head: RayHead, args) -> dict:
         host = speed.stop()
     result.update(host, host_steal_pct=steal.pct())
     after = tree_cpu_s(tree(server.proc.pid, head.marker))
+    loop_run, loop_wait, loop_runs = (b - a for a, b in zip(loop_before, thread_schedstat(server.proc.pid)))
     histograms_after = vllm_histograms(server.base_url)
     (steps_before, tokens_before), (steps_after, tokens_after) = histograms_before["steps"], histograms_after["steps"]
     cpu = sum(after[p] - before.get(p, 0.0) for p in after)
@@ -266,6 +273,9 @@ def measure(server, work: Path, name: str, head: RayHead, args) -> dict:
             rest[title] = rest.get(title, 0.0) + after[p] - before.get(p, 0.0)
     for part in PARTS:
         result[f"cpu_ms_per_token_{part}"] = 1000 * by_part.get(part, 0.0) / tokens
+    result["loop_cpu_us_per_token"] = 1e6 * loop_run / tokens
+    result["loop_wait_us_per_token"] = 1e6 * loop_wait / tokens
+    result["loop_wait_us_per_run"] = 1e6 * loop_wait / max(1, loop_runs)
     result["cpu_ms_per_token_rest_by_process"] = {
         title: round(1000 * s / tokens, 4) for title, s in sorted(rest.items(), key=lambda kv: -kv[1])}
     # At the same throughput, a server whose front admits requests sooner runs larger engine
@@ -356,6 +366,8 @@ def report(r: int, kind: str, result: dict) -> dict:
     rest = result.get("cpu_ms_per_token_rest_by_process", {})
     print("  CPU-ms/token by part: " + ", ".join(f"{p} {result[f'cpu_ms_per_token_{p}']:.3f}" for p in PARTS)
           + "; the rest: " + ", ".join(f"{name} {ms:.4f}" for name, ms in list(rest.items())[:6]), flush=True)
+    print(f"  the front's event loop per token: {result['loop_cpu_us_per_token']:.1f} µs on a core, "
+          f"{result['loop_wait_us_per_token']:.1f} µs waiting for one ({result['loop_wait_us_per_run']:.1f} µs per run)", flush=True)
     if result.get("ttft_queue_ms") is not None:
         print(f"  mean TTFT {result['mean_ttft_ms']:.1f} ms: " + ", ".join(
             f"{part[5:-3]} {result[part]:.1f}" for part in TTFT_PARTS), flush=True)
