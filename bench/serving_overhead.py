@@ -320,15 +320,22 @@ def run_one(kind: str, work: Path, head: RayHead, r: int, args) -> dict:
         return measure(server, work, f"{kind}-{r}", head, args)
 
 
+def alternating(kinds: list[str], rounds: int) -> Iterator[tuple[int, str]]:
+    """(round, kind) for ``rounds`` rounds of every kind, the order reversed every other round
+    (A B, B A, ...): how every bench and probe here alternates its servers."""
+    for r in range(rounds):
+        for kind in (kinds if r % 2 == 0 else kinds[::-1]):
+            yield r, kind
+
+
 def run_rounds(kinds: list[str], work: Path, head: RayHead, args) -> dict[str, list[dict]]:
     """Each round starts each server, measures it and stops it, the order reversed every other
     round (A B, B A, ...): a server measured always first or always second on the same head (which
     keeps what earlier rounds left, and a machine whose speed drifts) would carry that as a bias."""
     runs: dict[str, list[dict]] = {k: [] for k in kinds}
-    for r in range(args.rounds):
-        for kind in (kinds if r % 2 == 0 else kinds[::-1]):
-            (work / f"{kind}-{r}").mkdir()
-            runs[kind].append(report(r, kind, run_one(kind, work / f"{kind}-{r}", head, r, args)))
+    for r, kind in alternating(kinds, args.rounds):
+        (work / f"{kind}-{r}").mkdir()
+        runs[kind].append(report(r, kind, run_one(kind, work / f"{kind}-{r}", head, r, args)))
     return runs
 
 
@@ -342,9 +349,8 @@ def run_interleaved(kinds: list[str], work: Path, head: RayHead, args) -> dict[s
             servers[kind] = start(kind, work / kind, head, engine_flags(args))
         for kind in kinds:
             warm_up(servers[kind], work / kind, kind, args)
-        for r in range(args.rounds):
-            for kind in (kinds if r % 2 == 0 else kinds[::-1]):
-                runs[kind].append(report(r, kind, measure(servers[kind], work / kind, f"{kind}-{r}", head, args)))
+        for r, kind in alternating(kinds, args.rounds):
+            runs[kind].append(report(r, kind, measure(servers[kind], work / kind, f"{kind}-{r}", head, args)))
     finally:
         for server in servers.values():
             server.stop()

@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 from bench.common import bench_serve
-from bench.serving_overhead import warm_server
+from bench.serving_overhead import alternating, warm_server
 from chaos.harness import RayHead
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -39,20 +39,19 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="front-loop-kernel-"))
     head = RayHead(num_cpus=2).start()
     try:
-        for r in range(rounds):
-            for kind in (kinds if r % 2 == 0 else kinds[::-1]):
-                (work / f"{kind}-{r}").mkdir()
-                with warm_server(kind, work / f"{kind}-{r}", head, f"{kind}-{r}", Args) as server:
-                    pid = server.proc.pid
-                    before = loop_thread(pid)
-                    result = bench_serve(server.base_url, work / f"{kind}-{r}", f"{kind}-{r}", 400, float("inf"), 32, 64,
-                                         max_concurrency=8, client_nice=-10)
-                    after = loop_thread(pid)
-                tokens = result["total_output_tokens"]
-                user, kernel, vol, invol = (b - a for a, b in zip(before, after))
-                print(f"round {r + 1} {kind}: {result['request_throughput']:.1f} req/s; the loop's thread per token: "
-                      f"user {1e6 * user / tokens:.1f} µs, kernel {1e6 * kernel / tokens:.1f} µs, "
-                      f"{vol / tokens:.3f} voluntary and {invol / tokens:.3f} involuntary switches", flush=True)
+        for r, kind in alternating(kinds, rounds):
+            (work / f"{kind}-{r}").mkdir()
+            with warm_server(kind, work / f"{kind}-{r}", head, f"{kind}-{r}", Args) as server:
+                pid = server.proc.pid
+                before = loop_thread(pid)
+                result = bench_serve(server.base_url, work / f"{kind}-{r}", f"{kind}-{r}", 400, float("inf"), 32, 64,
+                                     max_concurrency=8, client_nice=-10)
+                after = loop_thread(pid)
+            tokens = result["total_output_tokens"]
+            user, kernel, vol, invol = (b - a for a, b in zip(before, after))
+            print(f"round {r + 1} {kind}: {result['request_throughput']:.1f} req/s; the loop's thread per token: "
+                  f"user {1e6 * user / tokens:.1f} µs, kernel {1e6 * kernel / tokens:.1f} µs, "
+                  f"{vol / tokens:.3f} voluntary and {invol / tokens:.3f} involuntary switches", flush=True)
     finally:
         head.stop()
 
