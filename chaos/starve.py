@@ -9,7 +9,9 @@ would put them) and two busy processes at nice -20 take each of their cores: the
 runnable and get about 0.002 % of the core. ``--bind`` binds them to the first core meanwhile,
 as vLLM's ``mp`` CPU worker binds itself (a Ray worker is not bound). Afterwards each thread has
 its own class and affinity back, whatever happens, and each busy process also ends by itself at
-its deadline. Nothing host-wide is changed. Needs root (nice -20, and another user's threads).
+its deadline (counted from when they are all on: their start-up, slow on a loaded host, is not
+part of it), or at once if its starter is gone before. The injecting thread keeps off those
+cores meanwhile. Nothing host-wide is changed. Needs root (nice -20, and another user's threads).
 Refuses when those cores are all the cores this process may use: everything would starve.
 """
 
@@ -24,10 +26,10 @@ import time
 
 HOG = """
 import os, sys, time
-deadline = float(sys.argv[2])
 os.sched_setaffinity(0, {int(sys.argv[1])})
 os.setpriority(os.PRIO_PROCESS, 0, -20)
 print("on", flush=True)
+deadline = float(sys.stdin.readline() or 0)  # none: its starter is gone
 while time.monotonic() < deadline:
     pass
 """
@@ -90,27 +92,39 @@ def starve(pid: int, seconds: float, bind: bool = False) -> dict:
     if not cores or cores >= machine:
         raise SystemExit(f"pid {pid} would be starved on cores {sorted(cores)}, all this process may use: "
                          "everything would starve with it (--bind it to one core)")
-    deadline = time.monotonic() + seconds
+    # This thread stays off the starved cores meanwhile: woken there behind a busy process at
+    # nice -20, it would get about 1 % of the core until the kernel moved it, and the threads
+    # it had not demoted yet would run on (seen: the worker stepping for seconds after "on").
+    own = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, machine - cores)  # pid 0: this thread alone
     hogs: list[subprocess.Popen] = []
     before: dict = {}
     try:
-        hogs = [subprocess.Popen([sys.executable, "-c", HOG, str(core), str(deadline)], stdout=subprocess.PIPE)
+        hogs = [subprocess.Popen([sys.executable, "-c", HOG, str(core)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
                 for core in sorted(cores) for _ in range(HOGS_PER_CORE)]
-        for hog in hogs:  # each is at nice -20 on its core once it says so
+        for hog in hogs:  # each is at nice -20 on its core once it says so ...
             if hog.stdout.readline().strip() != b"on":
                 raise RuntimeError(f"a busy process could not take its core: exit {hog.wait()}")
-        at = time.monotonic()
+        # ... and busy from its deadline on (its start-up, slow on a loaded host, is not counted)
+        deadline = time.monotonic() + seconds
+        for hog in hogs:
+            hog.stdin.write(f"{deadline}\n".encode())
+            hog.stdin.close()
         before = demote(pid, cores if bind else None)
+        at = time.monotonic()  # every thread demoted: starved from here
         for hog in hogs:
             hog.wait(seconds + 30)
         return {"starved_pid": pid, "cores": sorted(cores), "seconds": round(deadline - at, 2), "monotonic": at}
     finally:
         restore(pid, before)
+        os.sched_setaffinity(0, own)
         for hog in hogs:
             if hog.poll() is None:
                 hog.kill()
                 hog.wait()
             hog.stdout.close()
+            if not hog.stdin.closed:
+                hog.stdin.close()
 
 
 def main(argv: list[str] | None = None) -> int:

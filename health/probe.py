@@ -34,7 +34,7 @@ import structlog
 
 from executor.canary import CANARY_PREFIX
 from health.events import ClusterLost, EngineFailed
-from health.starvation import STARVED_SHARE, Episodes, sample, starved_share
+from health.starvation import SPIN_S, STARVED_SHARE, Episodes, Window, sample, window
 from health.view import ProbeView
 
 log = structlog.get_logger("vllm_supervisor.probe")
@@ -119,18 +119,12 @@ class EngineProbe:
                 if starved_s is not None:
                     log.info("engine moved again after starving", replica=rep.index, starved_s=round(starved_s, 1))
                 if stalled(gen, view.cfg.hang_timeout_s, since=view.released_monotonic) is not None:
-                    # Once more after the loop ran a while: a daemon loop that was itself held up
-                    # has step reports queued for it, which must be read before anything is hung.
-                    # Across that wait, whether the engine's threads waited for a CPU.
-                    threads_before = await asyncio.to_thread(sample, gen.local_procs)
-                    await asyncio.sleep(CONFIRM_S)
-                    problem = None if view.held() else stalled(gen, view.cfg.hang_timeout_s, since=view.released_monotonic)
-                    if problem is not None and not gen.failed and gen is self._current(rep.index) and view.ready():
-                        share = starved_share(threads_before, await asyncio.to_thread(sample, gen.local_procs))
-                        note = self._starved(rep.index, gen, share)
+                    problem, threads = await self._confirm(rep.index, gen)
+                    if problem is not None:
+                        note = self._starved(rep.index, gen, threads.starved_share, threads=threads.describe())
                         if note is None:
                             continue  # starved of CPU (or just now): not hung (yet)
-                        problem += note
+                        problem += note or f"; {threads.describe()}"
                         self.counts[rep.index] = 0  # the wait is itself the evidence: no threshold
                         log.warning("probe failed", problem=problem, replica=rep.index)
                         view.post(EngineFailed(gen.number, "hang", problem, kill_workers=True))
@@ -140,7 +134,28 @@ class EngineProbe:
                     # replica's canary delays nothing
                     self._probes[rep.index] = asyncio.ensure_future(self.probe(rep))
 
-    def _starved(self, replica: int, gen: Any, share: float, now: float | None = None) -> str | None:
+    async def _confirm(self, replica: int, gen: Any) -> tuple[str | None, Window | None]:
+        """A stall read again ``CONFIRM_S`` later (a daemon loop that was itself held up has step
+        reports queued for it, which must be read before anything is hung), with what the
+        engine's threads did meanwhile (``health.starvation``): read once more ``SPIN_S`` on when
+        that was ambiguous. (None, None): no longer stalled, or no longer this replica's to judge."""
+        view = self.view
+        for look in range(2):
+            if look:
+                await asyncio.sleep(SPIN_S)
+            before = await asyncio.to_thread(sample, gen.local_procs)
+            await asyncio.sleep(CONFIRM_S)
+            problem = None if view.held() else stalled(gen, view.cfg.hang_timeout_s, since=view.released_monotonic)
+            if problem is None or gen.failed or gen is not self._current(replica) or not view.ready():
+                return None, None
+            threads = window(before, await asyncio.to_thread(sample, gen.local_procs))
+            if not threads.ambiguous or look:
+                break
+            log.info("engine busy while one of its threads waited for a CPU: read again", replica=replica,
+                     after_s=SPIN_S, threads=threads.describe())
+        return problem, threads
+
+    def _starved(self, replica: int, gen: Any, share: float, now: float | None = None, threads: str = "") -> str | None:
         """Whether a stalled ``gen`` is starved of CPU rather than hung (``health.starvation``):
         a thread of its waited runnable for ``share`` of the confirmation while the engine
         barely ran. None: its verdict waits, while it is starved (for ``hang_starved_grace_s``
@@ -154,7 +169,7 @@ class EngineProbe:
             self.view.metrics.starved_seconds.labels(str(replica)).inc(count_s)
             if starved_s == 0.0:
                 log.warning("engine starved of CPU: its hang verdict waits", replica=replica,
-                            cpu_wait_share=round(share, 2), grace_s=cfg.hang_starved_grace_s)
+                            cpu_wait_share=round(share, 2), grace_s=cfg.hang_starved_grace_s, threads=threads)
             if starved_s < cfg.hang_starved_grace_s:
                 return None
             log.warning("engine starved of CPU past its grace: judged hung", replica=replica, starved_s=round(starved_s, 1))

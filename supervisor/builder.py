@@ -154,7 +154,9 @@ class EngineBuilder:
         and the start time keeps it from reading another process on a pid reused since."""
         from executor.procfs import start_time
 
-        return [(pid, start) for pid in self._local_pids(engine, instance_id) if (start := start_time(pid)) is not None]
+        procs = [(pid, start) for pid in self._local_pids(engine, instance_id) if (start := start_time(pid)) is not None]
+        log.info("engine's processes on this host", pids=[pid for pid, _ in procs])
+        return procs
 
     def _local_pids(self, engine: Any, instance_id: str) -> list[int]:
         from executor.engine import engine_core_pids, engine_worker_pids

@@ -241,10 +241,14 @@ def test_a_starved_worker_is_not_judged_hung(tp1, ray_head):
     gap = max(b - a for r in records for a, b in zip(r.chunk_times, r.chunk_times[1:]))
     assert gap > 4.0, f"the streams' largest gap was {gap:.1f} s: the worker was not starved past hang_timeout_s"
     after = daemon.status()
-    assert after["generation"] == gen, (after["recoveries"][-1:], daemon.tail())
+    # on failure, what the probe read of the engine's threads (the hang's detail), and the
+    # engine's processes it read, before the log's tail
+    said = [line for line in daemon.tail(2000).splitlines()
+            if any(k in line for k in ("engine's processes", "could not list", "starv", "probe failed"))]
+    assert after["generation"] == gen, "\n".join([str(after["recoveries"][-1:]), str(info), *said[-8:]])
     assert supervisor_metric(daemon, hangs) == hangs_before
     # seen starved from the stall's confirmation (4.2 s in) to the end: about 3.5 s, a check's period at a time
-    assert supervisor_metric(daemon, starved) - starved_before >= 1.0, daemon.tail()
+    assert supervisor_metric(daemon, starved) - starved_before >= 1.0, "\n".join([str(info), f"gap {gap:.2f} s", *said[-8:]])
     assert "engine starved of CPU: its hang verdict waits" in daemon.tail(300)
     # said at the probe's next stall check after the engine's next step (every 0.5 s), which can
     # come after the streams' last token reached the client (CI, 2026-11-29: 0.3 s after the checks)

@@ -4,6 +4,7 @@ injector (``chaos.starve``); and the probe's grace for a starved engine (``Engin
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -14,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from executor.procfs import start_time
-from health.starvation import STARVED_SHARE, Episodes, Sample, sample, starved_share
+from health.starvation import STARVED_SHARE, Episodes, Sample, sample, starved_share, window
 
 BUSY = "import os, sys; os.sched_setaffinity(0, {int(sys.argv[1])}); print('on', flush=True)\nwhile True: pass"
 SLEEPY = "import time; print('on', flush=True); time.sleep(60)"
@@ -85,6 +86,37 @@ def test_the_share_from_two_samples():
     assert starved_share(at({1: (r, 0)}, 1.0), at({1: (r, 0)}, 1.0)) == 0.0  # no window
 
 
+def test_a_hang_says_what_its_threads_did():
+    """A hang's detail says why the engine was not taken for starved: what was read of its
+    threads over the check (a list of its processes that missed the worker reads as no thread
+    kept waiting, and says how many threads it read)."""
+    r, s = b"R", b"S"
+    assert window(at({}, 0), at({}, 0.2)).describe() == "none of its threads could be read on this host"
+    after = at({1: (r, 10**7), 2: (s, 2 * 10**7), 3: (s, 0)}, 0.2)
+    after.names = {1: "7/worker", 2: "7/io", 3: "7/omp"}
+    w = window(at({1: (r, 0), 2: (s, 0), 3: (r, 0)}, 0), after)
+    assert (w.threads, w.runnable, w.ran, w.waited) == (3, 1, pytest.approx(0.15), pytest.approx(0.95))
+    assert w.describe() == ("over 0.2 s its 3 threads on this host ran 15% of a core (the most, 7/io, 10%), "
+                            "1 runnable throughout, the most kept waiting for a CPU 95% of the time")
+    me = os.getpid()
+    assert sample([(me, None)]).names[me] == f"{me}/{open(f'/proc/{me}/comm').read().strip()}"
+
+
+def test_a_thread_given_its_cpu_back_after_a_long_wait_reads_starved():
+    """A starvation that ends as the stall is checked: the worker catches up, its threads busy
+    (93 % of a core in the window), and one of them just came back from a 4 s wait for a CPU
+    (its run-queue wait grew by 4.2 s within 0.2 s). Starved, not a busy hang; a wait of 0.9 s
+    beyond the window is not."""
+    r = b"R"
+    before, after = at({1: (r, 0), 2: (r, 0)}, 0), at({1: (r, 186 * 10**6), 2: (r, 0)}, 0.2)
+    before.delays, after.delays = {1: 0, 2: 0}, {1: 4_200 * 10**6, 2: 0}
+    w = window(before, after)
+    assert w.came_back_s == pytest.approx(4.0) and w.ran == pytest.approx(0.93) and w.starved_share == 1.0
+    assert w.describe().endswith(", one given a CPU back after waiting 4.0 s")
+    after.delays = {1: 1_100 * 10**6, 2: 0}
+    assert window(before, after).starved_share == 0.0
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="busy processes at nice -20 need root, as in CI")
 def test_the_starvation_injector_keeps_a_process_off_its_core_and_gives_it_back(procs):
     import threading
@@ -99,14 +131,24 @@ def test_the_starvation_injector_keeps_a_process_off_its_core_and_gives_it_back(
     seen = {}
 
     def watch():
-        time.sleep(0.8)  # the busy processes are up and the target demoted well before
+        os.sched_setaffinity(0, set(cores[1:]))  # this thread: off the starved core
+        while os.sched_getscheduler(pid) != os.SCHED_IDLE:  # the busy processes are up: demoted
+            time.sleep(0.01)
+        demoted = time.monotonic()
+        time.sleep(0.3)
         seen["share"] = share_over([pid], 0.8)
+        time.sleep(2.2 - (time.monotonic() - demoted))
+        before = sample([(pid, None)])  # ... and across the starvation's end, 2.5 s in
+        time.sleep(0.6)
+        seen["came_back_s"] = window(before, sample([(pid, None)])).came_back_s
 
     thread = threading.Thread(target=watch)
     thread.start()
     info = starve(pid, 2.5, bind=True)
     thread.join()
     assert info["cores"] == [cores[0]] and seen["share"] >= 0.9, (info, seen)
+    # given its core back, it ran at once, after a wait of about 2.4 s: 1.8 s beyond the window
+    assert seen["came_back_s"] >= 1.0, (info, seen)
     assert os.sched_getaffinity(pid) == set(cores) and os.sched_getscheduler(pid) == os.SCHED_OTHER  # its own back
     assert share_over([pid]) == 0.0  # it runs again
     with pytest.raises(SystemExit, match="everything would starve"):
@@ -171,3 +213,32 @@ def test_no_grace_judges_a_starved_engine_hung_at_once():
     p = Probe(grace_s=0.0)
     assert p.judge(1.0) == ""
     assert p.counted() == 0
+
+
+def test_a_busy_window_beside_a_starved_thread_is_read_again_once_vllms_spin_is_over(monkeypatch):
+    """The starved worker got a moment to send one reply (seen: 11 ms of its thread 3 s in): its
+    engine core read it and polls for the next for a second (vLLM's ``SpinCondition``), 93 % of a
+    core, while the worker's thread waits for a CPU. Busy, so that window alone read as a hang
+    (CI, 2026-11-29: "no engine step for 4.7 s"). It is read again ``SPIN_S`` later: the engine
+    core asleep, the worker starved. An engine still busy then is spinning in a loop: a hang."""
+    import health.probe as hp
+
+    r, s = b"R", b"S"
+
+    def look(core_ran: float) -> list[Sample]:  # thread 1: the engine core; 2: the starved worker's
+        return [at({1: (r, 0), 2: (r, 0)}, 0), at({1: (r if core_ran else s, int(core_ran * 2e8)), 2: (r, 0)}, 0.2)]
+
+    monkeypatch.setattr(hp, "SPIN_S", 0.0)
+    monkeypatch.setattr(hp, "CONFIRM_S", 0.0)
+    monkeypatch.setattr(hp, "stalled", lambda *args, **kwargs: "no engine step for 4.2 s")
+    p = Probe(grace_s=60.0)
+    gen = SimpleNamespace(number=1, local_procs=[], failed=False)
+    p.view.held, p.view.ready, p.view.released_monotonic = (lambda: False), (lambda: True), 0.0
+    p.probe._current = lambda replica: gen
+    for looks, (ran, share) in (([0.93, 0.0], (0.0, 1.0)), ([0.93, 0.95], (0.95, 0.0)), ([0.0], (0.0, 1.0))):
+        samples = iter([x for core_ran in looks for x in look(core_ran)])
+        monkeypatch.setattr(hp, "sample", lambda procs: next(samples))
+        problem, threads = asyncio.run(p.probe._confirm(0, gen))
+        assert problem and (threads.ran, threads.starved_share) == (pytest.approx(ran), share), looks
+        assert next(samples, None) is None, looks  # a second look only after an ambiguous first
+    assert window(*look(0.95)).ambiguous and not window(*look(0.3)).ambiguous
