@@ -247,8 +247,11 @@ def test_a_starved_worker_is_not_judged_hung(tp1, ray_head):
             if any(k in line for k in ("engine's processes", "could not list", "starv", "probe failed"))]
     assert after["generation"] == gen, "\n".join([str(after["recoveries"][-1:]), str(info), *said[-8:]])
     assert supervisor_metric(daemon, hangs) == hangs_before
-    # seen starved from the stall's confirmation (4.2 s in) to the end: about 3.5 s, a check's period at a time
-    assert supervisor_metric(daemon, starved) - starved_before >= 1.0, "\n".join([str(info), f"gap {gap:.2f} s", *said[-8:]])
+    # seen starved from the stall's confirmation (4.2 s in; its 0.2 s counted) until the engine
+    # steps again, a check's period at a time. That is the kernel's to say: a starved thread
+    # woken from a sleep may get a moment with the CPU it is owed, and the engine then steps on
+    # (CI, 2026-11-29: again 4.95 s into an 8 s starvation, one sighting counted).
+    assert supervisor_metric(daemon, starved) - starved_before > 0, "\n".join([str(info), f"gap {gap:.2f} s", *said[-8:]])
     assert "engine starved of CPU: its hang verdict waits" in daemon.tail(300)
     # said at the probe's next stall check after the engine's next step (every 0.5 s), which can
     # come after the streams' last token reached the client (CI, 2026-11-29: 0.3 s after the checks)
