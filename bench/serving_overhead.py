@@ -328,6 +328,22 @@ def alternating(kinds: list[str], rounds: int) -> Iterator[tuple[int, str]]:
             yield r, kind
 
 
+def warm_rounds(kinds: list[str], rounds: int, prefix: str, args) -> Iterator[tuple[int, str, Any, Path, RayHead]]:
+    """(round, kind, its warm server, the round's directory, the Ray head) for each of
+    ``alternating``'s rounds, each server started and warmed (``warm_server``) on one Ray head of 2
+    CPUs in a directory of its own under a new one named ``prefix``…, and stopped once the
+    caller's body for that round is done: the probes' rounds (``bench/results/``)."""
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    head = RayHead(num_cpus=2).start()
+    try:
+        for r, kind in alternating(kinds, rounds):
+            (work / f"{kind}-{r}").mkdir()
+            with warm_server(kind, work / f"{kind}-{r}", head, f"{kind}-{r}", args) as server:
+                yield r, kind, server, work / f"{kind}-{r}", head
+    finally:
+        head.stop()
+
+
 def run_rounds(kinds: list[str], work: Path, head: RayHead, args) -> dict[str, list[dict]]:
     """Each round starts each server, measures it and stops it, the order reversed every other
     round (A B, B A, ...): a server measured always first or always second on the same head (which

@@ -21,8 +21,7 @@ PROBE = Path(tempfile.mkdtemp(prefix="gc-probe-"))
 os.environ["PYTHONPATH"] = f"{HERE / 'site'}{os.pathsep}{ROOT}"
 os.environ["GC_PROBE_DIR"] = str(PROBE)
 
-from bench.serving_overhead import alternating, measure, warm_server  # noqa: E402
-from chaos.harness import RayHead  # noqa: E402
+from bench.serving_overhead import measure, warm_rounds  # noqa: E402
 
 
 class Args:
@@ -37,30 +36,23 @@ def gc_of(pid: int) -> dict:
 def main() -> None:
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 2
     kinds = ["vllm_serve", "daemon", "daemon_standby_none"]
-    work = Path(tempfile.mkdtemp(prefix="front-gc-"))
-    head = RayHead(num_cpus=2).start()
-    try:
-        for r, kind in alternating(kinds, rounds):
-            (work / f"{kind}-{r}").mkdir()
-            with warm_server(kind, work / f"{kind}-{r}", head, f"{kind}-{r}", Args) as server:
-                pid = server.proc.pid
-                before = gc_of(pid)
-                result = measure(server, work / f"{kind}-{r}", f"{kind}-{r}", head, Args)
-                after = gc_of(pid)
-            tokens = result["total_output_tokens"]
-            parts = []
-            for g in "012":
-                n = after["gens"][g][0] - before["gens"][g][0]
-                cpu = after["gens"][g][1] - before["gens"][g][1]
-                parts.append(f"gen{g} {n} collections, {1e6 * cpu / tokens:.2f} µs/token"
-                             + (f" ({1e3 * cpu / n:.2f} ms each)" if g == "2" and n else ""))
-            total = sum(after["gens"][g][1] - before["gens"][g][1] for g in "012")
-            print(f"round {r + 1} {kind}: {result['request_throughput']:.1f} req/s; front {1e3 * result['cpu_ms_per_token_front']:.1f} µs/token, "
-                  f"its loop {result['loop_cpu_us_per_token']:.1f} on a core + {result['loop_wait_us_per_token']:.1f} waiting "
-                  f"({result['loop_wait_us_per_run']:.1f} per run); TTFT outside vLLM {result['ttft_outside_ms']:.2f} ms; "
-                  f"GC {1e6 * total / tokens:.2f} µs/token: " + "; ".join(parts) + f"; frozen {after['frozen']}", flush=True)
-    finally:
-        head.stop()
+    for r, kind, server, work, head in warm_rounds(kinds, rounds, "front-gc-", Args):
+        pid = server.proc.pid
+        before = gc_of(pid)
+        result = measure(server, work, f"{kind}-{r}", head, Args)
+        after = gc_of(pid)
+        tokens = result["total_output_tokens"]
+        parts = []
+        for g in "012":
+            n = after["gens"][g][0] - before["gens"][g][0]
+            cpu = after["gens"][g][1] - before["gens"][g][1]
+            parts.append(f"gen{g} {n} collections, {1e6 * cpu / tokens:.2f} µs/token"
+                         + (f" ({1e3 * cpu / n:.2f} ms each)" if g == "2" and n else ""))
+        total = sum(after["gens"][g][1] - before["gens"][g][1] for g in "012")
+        print(f"round {r + 1} {kind}: {result['request_throughput']:.1f} req/s; front {1e3 * result['cpu_ms_per_token_front']:.1f} µs/token, "
+              f"its loop {result['loop_cpu_us_per_token']:.1f} on a core + {result['loop_wait_us_per_token']:.1f} waiting "
+              f"({result['loop_wait_us_per_run']:.1f} per run); TTFT outside vLLM {result['ttft_outside_ms']:.2f} ms; "
+              f"GC {1e6 * total / tokens:.2f} µs/token: " + "; ".join(parts) + f"; frozen {after['frozen']}", flush=True)
 
 
 if __name__ == "__main__":

@@ -9,12 +9,10 @@ cProfile sees only the Python functions; the kernel's part and the wake-ups are 
 
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 from bench.common import bench_serve
-from bench.serving_overhead import alternating, warm_server
-from chaos.harness import RayHead
+from bench.serving_overhead import warm_rounds
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -36,25 +34,17 @@ def loop_thread(pid: int) -> tuple[float, float, int, int]:
 def main() -> None:
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 2
     kinds = ["vllm_serve", "daemon", "daemon_standby_none"]
-    work = Path(tempfile.mkdtemp(prefix="front-loop-kernel-"))
-    head = RayHead(num_cpus=2).start()
-    try:
-        for r, kind in alternating(kinds, rounds):
-            (work / f"{kind}-{r}").mkdir()
-            with warm_server(kind, work / f"{kind}-{r}", head, f"{kind}-{r}", Args) as server:
-                pid = server.proc.pid
-                before = loop_thread(pid)
-                result = bench_serve(server.base_url, work / f"{kind}-{r}", f"{kind}-{r}", 400, float("inf"), 32, 64,
-                                     max_concurrency=8, client_nice=-10)
-                after = loop_thread(pid)
-            tokens = result["total_output_tokens"]
-            user, kernel, vol, invol = (b - a for a, b in zip(before, after))
-            print(f"round {r + 1} {kind}: {result['request_throughput']:.1f} req/s; the loop's thread per token: "
-                  f"user {1e6 * user / tokens:.1f} µs, kernel {1e6 * kernel / tokens:.1f} µs, "
-                  f"{vol / tokens:.3f} voluntary and {invol / tokens:.3f} involuntary switches", flush=True)
-    finally:
-        head.stop()
-
+    for r, kind, server, work, _ in warm_rounds(kinds, rounds, "front-loop-kernel-", Args):
+        pid = server.proc.pid
+        before = loop_thread(pid)
+        result = bench_serve(server.base_url, work, f"{kind}-{r}", 400, float("inf"), 32, 64,
+                             max_concurrency=8, client_nice=-10)
+        after = loop_thread(pid)
+        tokens = result["total_output_tokens"]
+        user, kernel, vol, invol = (b - a for a, b in zip(before, after))
+        print(f"round {r + 1} {kind}: {result['request_throughput']:.1f} req/s; the loop's thread per token: "
+              f"user {1e6 * user / tokens:.1f} µs, kernel {1e6 * kernel / tokens:.1f} µs, "
+              f"{vol / tokens:.3f} voluntary and {invol / tokens:.3f} involuntary switches", flush=True)
 
 if __name__ == "__main__":
     main()

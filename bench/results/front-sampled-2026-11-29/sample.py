@@ -11,12 +11,10 @@ per token (``/proc`` schedstat over the same load) is that code's CPU per token.
 import collections
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from bench.common import bench_serve, thread_schedstat
-from bench.serving_overhead import alternating, warm_server
-from chaos.harness import RayHead
+from bench.serving_overhead import warm_rounds
 
 PY_SPY = Path(sys.executable).parent / "py-spy"
 OURS = ("(supervisor/", "(health/", "(executor/")  # py-spy names a file by its path under sys.path
@@ -47,34 +45,27 @@ def shares(raw: Path) -> tuple[int, collections.Counter]:
 def main() -> None:
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 2
     kinds = ["vllm_serve", "daemon"]
-    work = Path(tempfile.mkdtemp(prefix="front-sampled-"))
-    head = RayHead(num_cpus=2).start()
-    try:
-        for r, kind in alternating(kinds, rounds):
-            (work / f"{kind}-{r}").mkdir()
-            raw = work / f"{kind}-{r}.raw"
-            with warm_server(kind, work / f"{kind}-{r}", head, f"{kind}-{r}", Args) as server:
-                pid = server.proc.pid
-                before = thread_schedstat(pid)
-                spy = subprocess.Popen([str(PY_SPY), "record", "--nonblocking", "-r", "250", "-d", "15", "-f", "raw",
-                                        "-o", str(raw), "-p", str(pid)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                try:
-                    result = bench_serve(server.base_url, work / f"{kind}-{r}", f"{kind}-{r}", 1200, float("inf"), 32, 64,
-                                         max_concurrency=8, client_nice=-10)
-                finally:
-                    spy.wait(60)
-                after = thread_schedstat(pid)
-            tokens = result["total_output_tokens"]
-            loop_us = 1e6 * (after[0] - before[0]) / tokens
-            total, groups = shares(raw)
-            ours = groups["ours"] / max(1, total)
-            print(f"round {r + 1} {kind}: {result['request_throughput']:.1f} req/s; loop {loop_us:.1f} µs/token; "
-                  f"{total} samples: own frame in the daemon's code {100 * ours:.1f} % (≈ {ours * loop_us:.1f} µs/token), "
-                  f"in vllm {100 * groups['vllm'] / max(1, total):.1f} %, elsewhere {100 * groups['other'] / max(1, total):.1f} %; "
-                  f"the daemon's code on the stack {100 * groups['with ours on the stack'] / max(1, total):.1f} %", flush=True)
-            (Path(__file__).parent / f"{kind}-{r}.raw").write_text(raw.read_text())
-    finally:
-        head.stop()
+    for r, kind, server, work, _ in warm_rounds(kinds, rounds, "front-sampled-", Args):
+        raw = work / "py-spy.raw"
+        pid = server.proc.pid
+        before = thread_schedstat(pid)
+        spy = subprocess.Popen([str(PY_SPY), "record", "--nonblocking", "-r", "250", "-d", "15", "-f", "raw",
+                                "-o", str(raw), "-p", str(pid)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            result = bench_serve(server.base_url, work, f"{kind}-{r}", 1200, float("inf"), 32, 64,
+                                 max_concurrency=8, client_nice=-10)
+        finally:
+            spy.wait(60)
+        after = thread_schedstat(pid)
+        tokens = result["total_output_tokens"]
+        loop_us = 1e6 * (after[0] - before[0]) / tokens
+        total, groups = shares(raw)
+        ours = groups["ours"] / max(1, total)
+        print(f"round {r + 1} {kind}: {result['request_throughput']:.1f} req/s; loop {loop_us:.1f} µs/token; "
+              f"{total} samples: own frame in the daemon's code {100 * ours:.1f} % (≈ {ours * loop_us:.1f} µs/token), "
+              f"in vllm {100 * groups['vllm'] / max(1, total):.1f} %, elsewhere {100 * groups['other'] / max(1, total):.1f} %; "
+              f"the daemon's code on the stack {100 * groups['with ours on the stack'] / max(1, total):.1f} %", flush=True)
+        (Path(__file__).parent / f"{kind}-{r}.raw").write_text(raw.read_text())
 
 
 if __name__ == "__main__":
