@@ -121,10 +121,11 @@ class EngineProbe:
                 if stalled(gen, view.cfg.hang_timeout_s, since=view.released_monotonic) is not None:
                     problem, threads = await self._confirm(rep.index, gen)
                     if problem is not None:
-                        note = self._starved(rep.index, gen, threads.starved_share, threads=threads.describe())
+                        described = threads.describe()
+                        note = self._starved(rep.index, gen, threads.starved_share, threads=described)
                         if note is None:
                             continue  # starved of CPU (or just now): not hung (yet)
-                        problem += note or f"; {threads.describe()}"
+                        problem += note or f"; {described}"
                         self.counts[rep.index] = 0  # the wait is itself the evidence: no threshold
                         log.warning("probe failed", problem=problem, replica=rep.index)
                         view.post(EngineFailed(gen.number, "hang", problem, kill_workers=True))
