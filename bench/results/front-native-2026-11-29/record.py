@@ -1,0 +1,65 @@
+"""The front's event-loop thread in native code, per output token, in ``vllm serve`` and the
+daemon: ``perf record`` (the kernel's ``cpu-clock`` software event, 999 Hz: this VM has no
+hardware counters) on the main thread alone for 12 s in the middle of a saturation load (2000
+prompts, 8 at a time, 32 in / 64 out), in alternating rounds. Each sample is ≈ 1 ms on a core;
+tokens are counted over the window from the server's ``vllm:generation_tokens_total``. Writes
+``<kind>-<round>.txt``: ``perf report`` by shared object and by symbol (self time).
+
+    PYTHONPATH=. .venv/bin/python bench/results/front-native-2026-11-29/record.py [rounds]
+"""
+
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from bench.common import bench_serve
+from bench.serving_overhead import warm_rounds
+
+HERE = Path(__file__).parent
+RECORD_S, HZ = 12, 999
+
+
+class Args:
+    input_len, output_len, client_nice = 32, 64, -10
+
+
+def generated(base_url: str) -> float:
+    text = httpx.get(base_url + "/metrics", timeout=10).text
+    return sum(float(v) for v in re.findall(r"^vllm:generation_tokens_total\{[^}]*\} ([0-9.e+]+)$", text, re.M))
+
+
+def report(data: Path, sort: str) -> str:
+    return subprocess.run(["perf", "report", "-i", str(data), "--no-children", "--sort", sort, "--stdio",
+                           "-g", "none", "--percent-limit", "0.3"], capture_output=True, text=True).stdout
+
+
+def main() -> None:
+    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 2
+    for r, kind, server, work, _ in warm_rounds(["vllm_serve", "daemon"], rounds, "front-native-", Args):
+        data = work / "perf.data"
+        window: dict = {}
+
+        def record() -> None:
+            time.sleep(8)  # into the load
+            window["before"] = generated(server.base_url)
+            subprocess.run(["perf", "record", "-e", "cpu-clock", "-F", str(HZ), "-g", "-t", str(server.proc.pid),
+                            "-o", str(data), "--", "sleep", str(RECORD_S)], capture_output=True)
+            window["after"] = generated(server.base_url)
+
+        recorder = threading.Thread(target=record)
+        recorder.start()
+        bench_serve(server.base_url, work, f"{kind}-{r}", 2000, float("inf"), 32, 64, max_concurrency=8, client_nice=-10)
+        recorder.join()
+        tokens = window["after"] - window["before"]
+        text = f"# tokens generated while recorded: {tokens:.0f}\n" + report(data, "dso") + report(data, "dso,sym")
+        (HERE / f"{kind}-{r}.txt").write_text(text)
+        print(f"round {r + 1} {kind}: {tokens:.0f} tokens", flush=True)
+
+
+if __name__ == "__main__":
+    main()
