@@ -1,7 +1,7 @@
 """``record.py``'s reports side by side: µs on a core per output token, by shared object and by
 symbol (self time), median of each server's rounds, and daemon − ``vllm serve``.
 
-    python3 bench/results/front-native-2026-11-29/analyse.py [top]
+    python3 bench/results/front-native-2026-11-29/analyse.py [top] [subdir]
 """
 
 import collections
@@ -33,8 +33,9 @@ def parse(path: Path) -> tuple[dict, dict]:
 
 def main() -> None:
     top = int(sys.argv[1]) if len(sys.argv) > 1 else 25
+    where = HERE / sys.argv[2] if len(sys.argv) > 2 else HERE
     runs = collections.defaultdict(list)
-    for path in sorted(HERE.glob("*-*.txt")):
+    for path in sorted(where.glob("*-*.txt")):
         runs[path.stem.rsplit("-", 1)[0]].append(parse(path))
     for kind, rs in runs.items():
         print(kind, "µs per token on a core, sampled:", [round(sum(d.values()), 1) for d, _ in rs])

@@ -1,11 +1,11 @@
 """The front's event-loop thread in native code, per output token, in ``vllm serve`` and the
 daemon: ``perf record`` (the kernel's ``cpu-clock`` software event, 999 Hz: this VM has no
-hardware counters) on the main thread alone for 12 s in the middle of a saturation load (2000
+hardware counters) on the main thread alone for 12 s (or as given) in the middle of a saturation load (2000
 prompts, 8 at a time, 32 in / 64 out), in alternating rounds. Each sample is ≈ 1 ms on a core;
 tokens are counted over the window from the server's ``vllm:generation_tokens_total``. Writes
 ``<kind>-<round>.txt``: ``perf report`` by shared object and by symbol (self time).
 
-    PYTHONPATH=. .venv/bin/python bench/results/front-native-2026-11-29/record.py [rounds]
+    PYTHONPATH=. .venv/bin/python bench/results/front-native-2026-11-29/record.py [rounds] [seconds] [subdir]
 """
 
 import re
@@ -21,7 +21,7 @@ from bench.common import bench_serve
 from bench.serving_overhead import warm_rounds
 
 HERE = Path(__file__).parent
-RECORD_S, HZ = 12, 999
+HZ = 999
 
 
 class Args:
@@ -35,11 +35,14 @@ def generated(base_url: str) -> float:
 
 def report(data: Path, sort: str) -> str:
     return subprocess.run(["perf", "report", "-i", str(data), "--no-children", "--sort", sort, "--stdio",
-                           "-g", "none", "--percent-limit", "0.3"], capture_output=True, text=True).stdout
+                           "-g", "none", "--percent-limit", "0.1"], capture_output=True, text=True).stdout
 
 
 def main() -> None:
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 2
+    seconds = int(sys.argv[2]) if len(sys.argv) > 2 else 12
+    out = HERE / sys.argv[3] if len(sys.argv) > 3 else HERE
+    out.mkdir(exist_ok=True)
     for r, kind, server, work, _ in warm_rounds(["vllm_serve", "daemon"], rounds, "front-native-", Args):
         data = work / "perf.data"
         window: dict = {}
@@ -48,7 +51,7 @@ def main() -> None:
             time.sleep(8)  # into the load
             window["before"] = generated(server.base_url)
             subprocess.run(["perf", "record", "-e", "cpu-clock", "-F", str(HZ), "-g", "-t", str(server.proc.pid),
-                            "-o", str(data), "--", "sleep", str(RECORD_S)], capture_output=True)
+                            "-o", str(data), "--", "sleep", str(seconds)], capture_output=True)
             window["after"] = generated(server.base_url)
 
         recorder = threading.Thread(target=record)
@@ -57,7 +60,7 @@ def main() -> None:
         recorder.join()
         tokens = window["after"] - window["before"]
         text = f"# tokens generated while recorded: {tokens:.0f}\n" + report(data, "dso") + report(data, "dso,sym")
-        (HERE / f"{kind}-{r}.txt").write_text(text)
+        (out / f"{kind}-{r}.txt").write_text(text)
         print(f"round {r + 1} {kind}: {tokens:.0f} tokens", flush=True)
 
 
