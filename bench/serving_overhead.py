@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import json
 import random
+import shutil
 import statistics
 import tempfile
 import time
@@ -332,7 +333,9 @@ def warm_rounds(kinds: list[str], rounds: int, prefix: str, args) -> Iterator[tu
     """(round, kind, its warm server, the round's directory, the Ray head) for each of
     ``alternating``'s rounds, each server started and warmed (``warm_server``) on one Ray head of 2
     CPUs in a directory of its own under a new one named ``prefix``…, and stopped once the
-    caller's body for that round is done: the probes' rounds (``bench/results/``)."""
+    caller's body for that round is done: the probes' rounds (``bench/results/``). The
+    temporary directory goes with the Ray head: a probe copies what it keeps out of a round's
+    directory within that round."""
     work = Path(tempfile.mkdtemp(prefix=prefix))
     head = RayHead(num_cpus=2).start()
     try:
@@ -342,6 +345,7 @@ def warm_rounds(kinds: list[str], rounds: int, prefix: str, args) -> Iterator[tu
                 yield r, kind, server, work / f"{kind}-{r}", head
     finally:
         head.stop()
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def run_rounds(kinds: list[str], work: Path, head: RayHead, args) -> dict[str, list[dict]]:
