@@ -39,10 +39,11 @@ import random
 import shutil
 import statistics
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -346,6 +347,40 @@ def warm_rounds(kinds: list[str], rounds: int, prefix: str, args) -> Iterator[tu
     finally:
         head.stop()
         shutil.rmtree(work, ignore_errors=True)
+
+
+class ProbeLoad:
+    """The load the probes under ``bench/results/`` warm each server with and run at saturation:
+    32 in / 64 out tokens, the benchmark client at niceness -10 (``warm_rounds``' ``args``)."""
+    input_len, output_len, client_nice = 32, 64, -10
+
+
+def generated_tokens(base_url: str) -> float:
+    """The server's ``vllm:generation_tokens_total``, summed over its label sets."""
+    text = httpx.get(f"{base_url}/metrics", timeout=30).text
+    return sum(sample.value for family in text_string_to_metric_families(text) if family.name == "vllm:generation_tokens"
+               for sample in family.samples if sample.name.endswith("_total"))
+
+
+def tokens_while(server: Any, work: Path, name: str, action: Callable[[], Any], after_s: float = 8.0,
+                 prompts: int = 2000) -> float:
+    """The output tokens ``server`` generated while ``action()`` ran, ``after_s`` into a
+    saturation load (``prompts``, 8 at a time, ``ProbeLoad``'s lengths): a probe's window in the
+    middle of a load (``strace``, ``perf``)."""
+    window: dict[str, float] = {}
+
+    def act() -> None:
+        time.sleep(after_s)
+        window["before"] = generated_tokens(server.base_url)
+        action()
+        window["after"] = generated_tokens(server.base_url)
+
+    actor = threading.Thread(target=act)
+    actor.start()
+    bench_serve(server.base_url, work, name, prompts, float("inf"), ProbeLoad.input_len, ProbeLoad.output_len,
+                max_concurrency=8, client_nice=ProbeLoad.client_nice)
+    actor.join()
+    return window["after"] - window["before"]
 
 
 def run_rounds(kinds: list[str], work: Path, head: RayHead, args) -> dict[str, list[dict]]:

@@ -15,11 +15,7 @@ import time
 from pathlib import Path
 
 from bench.common import bench_serve
-from bench.serving_overhead import warm_rounds
-
-
-class Args:
-    input_len, output_len, client_nice = 32, 64, -10
+from bench.serving_overhead import ProbeLoad, warm_rounds
 
 
 def tree(root: int) -> list[int]:
@@ -60,7 +56,7 @@ def threads(pids: list[int]) -> list[tuple[int, int, str, str, int]]:
 
 def main() -> None:
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 2
-    for r, kind, server, work, _ in warm_rounds(["vllm_serve", "daemon"], rounds, "front-cores-", Args):
+    for r, kind, server, work, _ in warm_rounds(["vllm_serve", "daemon"], rounds, "front-cores-", ProbeLoad):
         pid = server.proc.pid
         stop = threading.Event()
         on = collections.Counter()  # loop running, on core c

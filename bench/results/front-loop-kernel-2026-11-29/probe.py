@@ -12,13 +12,9 @@ import sys
 from pathlib import Path
 
 from bench.common import bench_serve
-from bench.serving_overhead import warm_rounds
+from bench.serving_overhead import ProbeLoad, warm_rounds
 
 TICK = os.sysconf("SC_CLK_TCK")
-
-
-class Args:
-    input_len, output_len, client_nice = 32, 64, -10
 
 
 def loop_thread(pid: int) -> tuple[float, float, int, int]:
@@ -34,7 +30,7 @@ def loop_thread(pid: int) -> tuple[float, float, int, int]:
 def main() -> None:
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 2
     kinds = ["vllm_serve", "daemon", "daemon_standby_none"]
-    for r, kind, server, work, _ in warm_rounds(kinds, rounds, "front-loop-kernel-", Args):
+    for r, kind, server, work, _ in warm_rounds(kinds, rounds, "front-loop-kernel-", ProbeLoad):
         pid = server.proc.pid
         before = loop_thread(pid)
         result = bench_serve(server.base_url, work, f"{kind}-{r}", 400, float("inf"), 32, 64,

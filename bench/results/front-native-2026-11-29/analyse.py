@@ -1,14 +1,15 @@
 """``record.py``'s reports side by side: µs on a core per output token, by shared object and by
 symbol (self time), median of each server's rounds, and daemon − ``vllm serve``.
 
-    python3 bench/results/front-native-2026-11-29/analyse.py [top] [subdir]
+    PYTHONPATH=. python3 bench/results/front-native-2026-11-29/analyse.py [top] [subdir]
 """
 
 import collections
 import re
-import statistics
 import sys
 from pathlib import Path
+
+from bench.differences import print_median_differences
 
 HERE = Path(__file__).parent
 LINE = re.compile(r"^\s+([0-9.]+)%\s+(.+?)\s*$")
@@ -40,15 +41,7 @@ def main() -> None:
     for kind, rs in runs.items():
         print(kind, "µs per token on a core, sampled:", [round(sum(d.values()), 1) for d, _ in rs])
     for title, k in (("by shared object", 0), ("by symbol", 1)):
-        keys = set().union(*(r[k] for rs in runs.values() for r in rs))
-        rows = []
-        for key in keys:
-            med = {kind: statistics.median(r[k].get(key, 0.0) for r in rs) for kind, rs in runs.items()}
-            rows.append((med["daemon"] - med["vllm_serve"], med["vllm_serve"], med["daemon"], key))
-        rows.sort(key=lambda row: -abs(row[0]))
-        print(f"\n{title}: daemon − vllm serve, µs per token (medians)")
-        for d, v, dm, key in rows[:top]:
-            print(f"{d:+7.2f} {v:7.2f} {dm:7.2f}  {key}")
+        print_median_differences(title, runs, k, top)
 
 
 if __name__ == "__main__":

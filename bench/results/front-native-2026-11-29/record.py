@@ -8,29 +8,14 @@ tokens are counted over the window from the server's ``vllm:generation_tokens_to
     PYTHONPATH=. .venv/bin/python bench/results/front-native-2026-11-29/record.py [rounds] [seconds] [subdir]
 """
 
-import re
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
-import httpx
-
-from bench.common import bench_serve
-from bench.serving_overhead import warm_rounds
+from bench.serving_overhead import ProbeLoad, tokens_while, warm_rounds
 
 HERE = Path(__file__).parent
 HZ = 999
-
-
-class Args:
-    input_len, output_len, client_nice = 32, 64, -10
-
-
-def generated(base_url: str) -> float:
-    text = httpx.get(base_url + "/metrics", timeout=10).text
-    return sum(float(v) for v in re.findall(r"^vllm:generation_tokens_total\{[^}]*\} ([0-9.e+]+)$", text, re.M))
 
 
 def report(data: Path, sort: str) -> str:
@@ -43,22 +28,11 @@ def main() -> None:
     seconds = int(sys.argv[2]) if len(sys.argv) > 2 else 12
     out = HERE / sys.argv[3] if len(sys.argv) > 3 else HERE
     out.mkdir(exist_ok=True)
-    for r, kind, server, work, _ in warm_rounds(["vllm_serve", "daemon"], rounds, "front-native-", Args):
+    for r, kind, server, work, _ in warm_rounds(["vllm_serve", "daemon"], rounds, "front-native-", ProbeLoad):
         data = work / "perf.data"
-        window: dict = {}
-
-        def record() -> None:
-            time.sleep(8)  # into the load
-            window["before"] = generated(server.base_url)
-            subprocess.run(["perf", "record", "-e", "cpu-clock", "-F", str(HZ), "-g", "-t", str(server.proc.pid),
-                            "-o", str(data), "--", "sleep", str(seconds)], capture_output=True)
-            window["after"] = generated(server.base_url)
-
-        recorder = threading.Thread(target=record)
-        recorder.start()
-        bench_serve(server.base_url, work, f"{kind}-{r}", 2000, float("inf"), 32, 64, max_concurrency=8, client_nice=-10)
-        recorder.join()
-        tokens = window["after"] - window["before"]
+        tokens = tokens_while(server, work, f"{kind}-{r}", lambda: subprocess.run(
+            ["perf", "record", "-e", "cpu-clock", "-F", str(HZ), "-g", "-t", str(server.proc.pid), "-o", str(data),
+             "--", "sleep", str(seconds)], capture_output=True))
         text = f"# tokens generated while recorded: {tokens:.0f}\n" + report(data, "dso") + report(data, "dso,sym")
         (out / f"{kind}-{r}.txt").write_text(text)
         print(f"round {r + 1} {kind}: {tokens:.0f} tokens", flush=True)

@@ -10,18 +10,14 @@ import sys
 import time
 
 from bench.common import thread_schedstat
-from bench.serving_overhead import warm_rounds
+from bench.serving_overhead import ProbeLoad, warm_rounds
 
 WINDOW_S = 30.0
 
 
-class Args:
-    input_len, output_len, client_nice = 32, 64, -10
-
-
 def main() -> None:
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 2
-    for r, kind, server, work, _ in warm_rounds(["vllm_serve", "daemon"], rounds, "front-idle-", Args):
+    for r, kind, server, work, _ in warm_rounds(["vllm_serve", "daemon"], rounds, "front-idle-", ProbeLoad):
         pid = server.proc.pid
         time.sleep(5)
         before = thread_schedstat(pid)

@@ -12,17 +12,13 @@ import os
 import sys
 
 from bench.common import bench_serve, thread_schedstat
-from bench.serving_overhead import warm_rounds
-
-
-class Args:
-    input_len, output_len, client_nice = 32, 64, -10
+from bench.serving_overhead import ProbeLoad, warm_rounds
 
 
 def main() -> None:
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 3
     core = int(sys.argv[2]) if len(sys.argv) > 2 else 1
-    for r, kind, server, work, _ in warm_rounds(["vllm_serve", "daemon"], rounds, "front-pinned-", Args):
+    for r, kind, server, work, _ in warm_rounds(["vllm_serve", "daemon"], rounds, "front-pinned-", ProbeLoad):
         pid = server.proc.pid
         os.sched_setaffinity(pid, {core})  # the thread whose tid is pid: the event loop
         before = thread_schedstat(pid)

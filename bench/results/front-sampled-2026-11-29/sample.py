@@ -14,14 +14,10 @@ import sys
 from pathlib import Path
 
 from bench.common import bench_serve, thread_schedstat
-from bench.serving_overhead import warm_rounds
+from bench.serving_overhead import ProbeLoad, warm_rounds
 
 PY_SPY = Path(sys.executable).parent / "py-spy"
 OURS = ("(supervisor/", "(health/", "(executor/")  # py-spy names a file by its path under sys.path
-
-
-class Args:
-    input_len, output_len, client_nice = 32, 64, -10
 
 
 def shares(raw: Path) -> tuple[int, collections.Counter]:
@@ -45,7 +41,7 @@ def shares(raw: Path) -> tuple[int, collections.Counter]:
 def main() -> None:
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 2
     kinds = ["vllm_serve", "daemon"]
-    for r, kind, server, work, _ in warm_rounds(kinds, rounds, "front-sampled-", Args):
+    for r, kind, server, work, _ in warm_rounds(kinds, rounds, "front-sampled-", ProbeLoad):
         raw = work / "py-spy.raw"
         pid = server.proc.pid
         before = thread_schedstat(pid)

@@ -7,16 +7,17 @@ sample's share of the thread's samples times that. (py-spy's samples, per second
 covered 74–78 % of ``vllm serve``'s thread and 81–89 % of the daemon's: read failures drop
 some, so their counts are not compared directly.)
 
-    python3 bench/results/front-sampled-long-2026-11-29/analyse.py [top]
+    PYTHONPATH=. python3 bench/results/front-sampled-long-2026-11-29/analyse.py [top]
 """
 
 import collections
 import gzip
 import json
 import re
-import statistics
 import sys
 from pathlib import Path
+
+from bench.differences import print_median_differences
 
 HERE = Path(__file__).parent
 PHASES = (  # (name, a frame in the stack that puts a sample there): the first that matches
@@ -74,15 +75,7 @@ def main() -> None:
         cells = [" / ".join(f"{r[3].get(label, 0.0):.1f}" for r in runs[kind]) for kind in ("vllm_serve", "daemon")]
         print(f"  {label}: {cells[0]} | {cells[1]}")
     for what, k in (("inclusive", 1), ("exclusive", 2)):
-        funcs = set().union(*(r[k] for rs in runs.values() for r in rs))
-        rows = []
-        for f in funcs:
-            med = {kind: statistics.median(r[k].get(f, 0.0) for r in rs) for kind, rs in runs.items()}
-            rows.append((med["daemon"] - med["vllm_serve"], med["vllm_serve"], med["daemon"], f))
-        rows.sort(key=lambda row: -abs(row[0]))
-        print(f"\n{what}: daemon − vllm serve, µs per token (medians)")
-        for d, v, dm, f in rows[:top]:
-            print(f"{d:+7.2f} {v:7.2f} {dm:7.2f}  {f}")
+        print_median_differences(what, runs, k, top)
 
 
 if __name__ == "__main__":

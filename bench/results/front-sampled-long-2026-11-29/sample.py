@@ -18,20 +18,16 @@ import sys
 from pathlib import Path
 
 from bench.common import bench_serve, thread_schedstat
-from bench.serving_overhead import warm_rounds
+from bench.serving_overhead import ProbeLoad, warm_rounds
 
 PY_SPY = Path(sys.executable).parent / "py-spy"
 HERE = Path(__file__).parent
 PROMPTS = 3000
 
 
-class Args:
-    input_len, output_len, client_nice = 32, 64, -10
-
-
 def main() -> None:
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 3
-    for r, kind, server, work, _ in warm_rounds(["vllm_serve", "daemon"], rounds, "front-sampled-long-", Args):
+    for r, kind, server, work, _ in warm_rounds(["vllm_serve", "daemon"], rounds, "front-sampled-long-", ProbeLoad):
         raw = work / "py-spy.raw"
         pid = server.proc.pid
         spy = subprocess.Popen([str(PY_SPY), "record", "--nonblocking", "-r", "250", "-d", "600", "-f", "raw",

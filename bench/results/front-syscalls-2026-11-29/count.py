@@ -7,49 +7,23 @@ traced window from the server's own ``vllm:generation_tokens_total``.
     PYTHONPATH=. .venv/bin/python bench/results/front-syscalls-2026-11-29/count.py [rounds]
 """
 
-import re
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
-import httpx
-
-from bench.common import bench_serve
-from bench.serving_overhead import warm_rounds
+from bench.serving_overhead import ProbeLoad, tokens_while, warm_rounds
 
 HERE = Path(__file__).parent
 TRACE_S = 12.0
 
 
-class Args:
-    input_len, output_len, client_nice = 32, 64, -10
-
-
-def generated(base_url: str) -> float:
-    text = httpx.get(base_url + "/metrics", timeout=10).text
-    return sum(float(v) for v in re.findall(r"^vllm:generation_tokens_total\{[^}]*\} ([0-9.e+]+)$", text, re.M))
-
-
 def main() -> None:
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 2
-    for r, kind, server, work, _ in warm_rounds(["vllm_serve", "daemon"], rounds, "front-syscalls-", Args):
+    for r, kind, server, work, _ in warm_rounds(["vllm_serve", "daemon"], rounds, "front-syscalls-", ProbeLoad):
         out = HERE / f"{kind}-{r}.strace"
-        window: dict = {}
-
-        def trace() -> None:
-            time.sleep(8)  # into the load
-            window["before"] = generated(server.base_url)
-            subprocess.run(["timeout", "-s", "INT", str(TRACE_S), "strace", "-c", "-o", str(out), "-p",
-                            str(server.proc.pid)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            window["after"] = generated(server.base_url)
-
-        tracer = threading.Thread(target=trace)
-        tracer.start()
-        bench_serve(server.base_url, work, f"{kind}-{r}", 2000, float("inf"), 32, 64, max_concurrency=8, client_nice=-10)
-        tracer.join()
-        tokens = window["after"] - window["before"]
+        tokens = tokens_while(server, work, f"{kind}-{r}", lambda: subprocess.run(
+            ["timeout", "-s", "INT", str(TRACE_S), "strace", "-c", "-o", str(out), "-p", str(server.proc.pid)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         print(f"round {r + 1} {kind}: {tokens:.0f} tokens traced", flush=True)
         lines = out.read_text().splitlines()
         out.write_text("\n".join([f"# tokens generated while traced: {tokens:.0f}", *lines]) + "\n")

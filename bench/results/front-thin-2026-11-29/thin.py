@@ -17,14 +17,10 @@ import tempfile
 from pathlib import Path
 
 from bench.common import RayHead, bench_serve, start_daemon, thread_schedstat
-from bench.serving_overhead import alternating, start, warm_up
+from bench.serving_overhead import ProbeLoad, alternating, start, warm_up
 
 HERE = Path(__file__).parent
 KINDS = ["vllm_serve", "daemon_standby_none", "daemon_thin"]
-
-
-class Args:
-    input_len, output_len, client_nice = 32, 64, -10
 
 
 def launch(kind: str, work: Path, head: RayHead):
@@ -45,7 +41,7 @@ def main() -> None:
             (work / f"{kind}-{r}").mkdir()
             server = launch(kind, work / f"{kind}-{r}", head)
             try:
-                warm_up(server, work / f"{kind}-{r}", f"{kind}-{r}", Args)
+                warm_up(server, work / f"{kind}-{r}", f"{kind}-{r}", ProbeLoad)
                 pid = server.proc.pid
                 before = thread_schedstat(pid)
                 result = bench_serve(server.base_url, work / f"{kind}-{r}", f"{kind}-{r}", 2000, float("inf"), 32, 64,

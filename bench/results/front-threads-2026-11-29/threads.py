@@ -11,14 +11,10 @@ import tempfile
 from pathlib import Path
 
 from bench.common import bench_serve
-from bench.serving_overhead import warm_server
+from bench.serving_overhead import ProbeLoad, warm_server
 from chaos.harness import RayHead
 
 TICK = os.sysconf("SC_CLK_TCK")
-
-
-class Args:
-    input_len, output_len, client_nice = 32, 64, -10
 
 
 def threads(pid: int) -> dict[str, tuple[float, int]]:
@@ -43,7 +39,7 @@ def main() -> None:
     try:
         for kind in ("vllm_serve", "daemon", "daemon_standby_none"):
             (work / kind).mkdir()
-            with warm_server(kind, work / kind, head, kind, Args) as server:
+            with warm_server(kind, work / kind, head, kind, ProbeLoad) as server:
                 pid = server.proc.pid
                 before = threads(pid)
                 result = bench_serve(server.base_url, work / kind, f"{kind}-run", 400, float("inf"), 32, 64,

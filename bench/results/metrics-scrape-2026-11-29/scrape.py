@@ -13,12 +13,8 @@ from pathlib import Path
 import httpx
 
 from bench.common import cpu_s
-from bench.serving_overhead import warm_server
+from bench.serving_overhead import ProbeLoad, warm_server
 from chaos.harness import RayHead
-
-
-class Args:
-    input_len, output_len, client_nice = 32, 64, -10
 
 
 def main() -> None:
@@ -28,7 +24,7 @@ def main() -> None:
     try:
         for kind in ("vllm_serve", "daemon", "vllm_serve", "daemon"):
             (work / kind).mkdir(exist_ok=True)
-            with warm_server(kind, work / kind, head, kind, Args) as server:
+            with warm_server(kind, work / kind, head, kind, ProbeLoad) as server:
                 time.sleep(3)
                 pid = server.proc.pid
                 idle0 = cpu_s(pid)
