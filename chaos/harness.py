@@ -332,20 +332,20 @@ class Daemon:
 
     def assert_nothing_left(self, settle_s: float = 15, keep: Any = ()) -> None:
         """Nothing of ours remains: no process started since the daemon did (its descendants,
-        orphans re-parented to init included, whatever their name) and no new ``/dev/shm``
-        entry (whatever its name), less what the test keeps running on purpose
-        (``kept_running``)."""
+        orphans re-parented to init included, whatever their name), no new ``/dev/shm``
+        entry (whatever its name) and no new socket no process has bound in a temporary
+        directory, less what the test keeps running on purpose (``kept_running``)."""
         from chaos.leaks import cmdline
 
         deadline = time.monotonic() + settle_s
         while True:
             pids = self.leftover_pids()
             new = self.leaks.new(allow=lambda: self.kept_running(keep))
-            if not pids and not new["processes"] and not new["shm"]:
+            if not pids and not new["processes"] and not new["shm"] and not new["sockets"]:
                 return
             if time.monotonic() > deadline:
                 cmds = {pid: cmdline(pid) for pid in pids} | new["processes"]
-                raise AssertionError(f"left behind: processes {cmds}, /dev/shm {new['shm']}")
+                raise AssertionError(f"left behind: processes {cmds}, /dev/shm {new['shm']}, dead sockets {new['sockets']}")
             time.sleep(0.5)
 
 

@@ -6,7 +6,10 @@ snapshots the whole of ``/dev/shm`` and every process when a test begins; at the
 is new in ``/dev/shm`` and every process of this user, in this session, started since and
 still running, that descends from this process or was orphaned (re-parented to init), is a
 leftover, less a short named allow-list (``allow``: the trees of what the test keeps running
-on purpose, like another live daemon or the Ray head it started as an operator).
+on purpose, like another live daemon or the Ray head it started as an operator). So is a new Unix
+socket in a directory of the temporary directory (``multiprocessing``'s ``pymp-*``, whatever
+made it) that no live process has bound: the trace of a process killed before it could remove
+it.
 
 Stdlib only (the smoke of ``.ci/`` runs it before anything else is imported).
 """
@@ -15,6 +18,8 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Iterable
@@ -59,6 +64,43 @@ def cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()[:160]
     except OSError:
         return "?"
+
+
+def temp_sockets(root: str | None = None, top: bool = False) -> set[str]:
+    """The Unix sockets in the directories of the temporary directory (one level down, where
+    ``multiprocessing`` puts its listeners), and with ``top`` in it too (where vLLM puts its
+    ZeroMQ sockets unless told otherwise)."""
+    out = set()
+    try:
+        entries = list(os.scandir(root or tempfile.gettempdir()))
+        dirs = [e.path for e in entries if e.is_dir(follow_symlinks=False)]
+        if top:
+            out = {e.path for e in entries if stat.S_ISSOCK(e.stat(follow_symlinks=False).st_mode)}
+    except OSError:
+        return out
+    for d in dirs:
+        try:
+            out |= {e.path for e in os.scandir(d) if stat.S_ISSOCK(e.stat(follow_symlinks=False).st_mode)}
+        except OSError:
+            continue
+    return out
+
+
+def bound_sockets(table: dict[int, dict]) -> set[str]:
+    """The paths of the Unix sockets live processes have bound, in every network namespace
+    one of ``table``'s processes is in (``/proc/<pid>/net/unix`` shows its own namespace's)."""
+    seen, out = set(), set()
+    for pid in [os.getpid(), *table]:
+        try:
+            ns = os.readlink(f"/proc/{pid}/ns/net")
+            if ns in seen:
+                continue
+            seen.add(ns)
+            with open(f"/proc/{pid}/net/unix") as fh:
+                out |= {fields[7] for fields in (line.split() for line in fh) if len(fields) > 7}
+        except OSError:
+            continue
+    return out
 
 
 def mapped_by(pids: set[int]) -> set[str]:
@@ -111,15 +153,20 @@ def inherited(daemon: int, children: Iterable[int], reaper: int | None = None) -
 class Leaks:
     """A snapshot now; ``new()`` later lists what appeared since and is still there."""
 
-    def __init__(self) -> None:
+    def __init__(self, top_sockets: bool = False) -> None:
+        """``top_sockets``: new sockets in the temporary directory itself count too (not where
+        a test also runs `vllm serve`, which leaves 7 there at every start)."""
+        self.top = top_sockets
         self.me = os.getpid()
         self.uid = os.getuid()
         self.sid = os.getsid(0)
         self.before: set[Proc] = {(pid, p["start"]) for pid, p in processes().items()}
         self.shm_before = set(os.listdir(SHM))
+        self.sockets_before = temp_sockets(top=self.top)
 
     def new(self, allow: Callable[[], Iterable[int]] = lambda: ()) -> dict[str, object]:
-        """{"processes": {pid: command line}, "shm": [names]}: what is new and not allowed.
+        """{"processes": {pid: command line}, "shm": [names], "sockets": [paths]}: what is new
+        and not allowed (a new socket is a leftover once no live process has it bound).
         ``allow`` gives the roots of process trees the caller keeps on purpose (their
         descendants and the segments they map are allowed too)."""
         table = processes()
@@ -134,7 +181,10 @@ class Leaks:
             if pid in mine or p["ppid"] == 1:  # ours, or orphaned to init
                 found[pid] = cmdline(pid)
         shm = set(os.listdir(SHM)) - self.shm_before - (mapped_by(allowed) if allowed else set())
-        return {"processes": found, "shm": sorted(shm)}
+        sockets = temp_sockets(top=self.top) - self.sockets_before
+        if sockets:
+            sockets -= bound_sockets(table)
+        return {"processes": found, "shm": sorted(shm), "sockets": sorted(sockets)}
 
     def wait_clean(self, settle_s: float = 15, allow: Callable[[], Iterable[int]] = lambda: ()) -> dict[str, object]:
         """Poll ``new()`` until it is empty or ``settle_s`` passed; returns the last (empty
@@ -142,14 +192,15 @@ class Leaks:
         deadline = time.monotonic() + settle_s
         while True:
             left = self.new(allow)
-            if not left["processes"] and not left["shm"]:
+            if not left["processes"] and not left["shm"] and not left["sockets"]:
                 return {}
             if time.monotonic() > deadline:
                 return left
             time.sleep(0.5)
 
     def kill_new(self, allow: Callable[[], Iterable[int]] = lambda: ()) -> None:
-        """Last resort after a failure: SIGKILL what is new, unlink new segments no process maps."""
+        """Last resort after a failure: SIGKILL what is new, unlink new segments no process maps
+        and new sockets no process has bound (and their directory, when that leaves it empty)."""
         left = self.new(allow)
         for pid in left["processes"]:
             try:
@@ -164,3 +215,11 @@ class Leaks:
                     (SHM / name).unlink()
                 except OSError:
                     pass
+        table = processes()
+        for path in sorted((temp_sockets(top=self.top) - self.sockets_before) - bound_sockets(table)):
+            try:
+                os.unlink(path)
+                if os.path.dirname(path) != tempfile.gettempdir():
+                    os.rmdir(os.path.dirname(path))  # only when that left it empty
+            except OSError:
+                pass

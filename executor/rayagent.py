@@ -35,8 +35,11 @@ unpickles it after, and the standby's other calls wait for it too.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import multiprocessing
 import multiprocessing.managers
+import multiprocessing.util
 import os
 import pickle
 import signal
@@ -48,6 +51,7 @@ from config import RaySettings
 from executor.cluster import RayCluster, kill_handles, names_instance, private_token
 
 AGENT_TITLE = "vllm-supervisor: ray agent"
+_SOCKETS = itertools.count()
 
 
 class AgentGone(RuntimeError):
@@ -257,7 +261,12 @@ class RayAgent:
         self._spawn_env = dict(os.environ)
         # shutdown_timeout: the join multiprocessing gives a live agent at this interpreter's exit
         # (stop and kill end it first)
-        manager = _Manager(ctx=multiprocessing.get_context("spawn"), shutdown_timeout=30.0)
+        # The agent listens on a socket in this process's temporary directory (multiprocessing's
+        # own, removed when this process exits, and by the crash reaper when it dies), not in one
+        # of the agent's: a killed agent removes nothing, and every daemon stop left its
+        # directory in /tmp (about 40 an hour under the benchmarks)
+        address = os.path.join(multiprocessing.util.get_temp_dir(), f"ray-agent-{next(_SOCKETS)}")
+        manager = _Manager(address=address, ctx=multiprocessing.get_context("spawn"), shutdown_timeout=30.0)
         manager.start(initializer=_agent_init, initargs=(os.getpid(),))
         self._manager = manager
         try:
@@ -327,6 +336,8 @@ class RayAgent:
         killed = self._reap(self._tree(manager))
         manager.shutdown()  # the process is dead: this only joins it and drops the manager's state
         del service  # after the manager is shut down: its proxy does not call the dead agent
+        with contextlib.suppress(OSError):
+            os.unlink(manager.address)  # its socket: a killed listener does not unlink it
         return killed
 
     def _tree(self, manager: Any = None) -> set[tuple[int, int]]:

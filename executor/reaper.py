@@ -13,7 +13,9 @@ and writes it to ``--pids-file``. A clean stop writes ``clean`` down the pipe be
 daemon exits. End of file without it means the daemon died: the reaper SIGKILLs every
 process of the last snapshot that still runs, and their children (an orphan's parent may
 already be gone), removes vLLM's ``/dev/shm`` segments created since the daemon started that no process maps
-any more, and exits.
+any more and the daemon's temporary directories (``--temp-dir``: ``multiprocessing``'s, with the
+sockets of its fork server and Ray agent, and its runtime directory, with its event socket), and
+exits.
 
 The same ``reap`` serves the next daemon's start when the reaper itself was killed too
 (``supervisor/crashrecord.py``).
@@ -25,6 +27,7 @@ import argparse
 import json
 import os
 import select
+import shutil
 import signal
 import sys
 import time
@@ -39,6 +42,8 @@ SNAPSHOT_S = 0.5
 # often: reading every process's stat each 0.5 s was the reaper's whole cost (0.35-0.65 % of
 # a core).
 RESCAN_S = 10.0
+# the names of the temporary directories a reap removes: multiprocessing's, the daemon's own
+TEMP_PREFIXES = ("pymp-", "vllm-supervisor-")
 Proc = tuple[int, int]  # (pid, start time in clock ticks since boot)
 
 
@@ -146,10 +151,12 @@ def read_pids(path: Path) -> set[Proc]:
         return set()
 
 
-def watch(daemon_pid: int, daemon_start: int, pids_file: Path | None, stream=None) -> dict:
+def watch(daemon_pid: int, daemon_start: int, pids_file: Path | None, stream=None, temp_dirs: tuple[Path, ...] = ()) -> dict:
     """Snapshot the daemon's tree until its pipe closes; reap if it closed without ``clean``.
     ``daemon_start`` is the daemon's start time (ticks) as the daemon read it: the shared
-    memory swept is only what appeared since."""
+    memory swept is only what appeared since. ``temp_dirs``: the daemon's own temporary
+    directories (``multiprocessing``'s and its runtime directory, which its exit removes),
+    removed after a reap."""
     stream = stream or sys.stdin.buffer
     daemon_started = wall_clock(daemon_start)
     seen: set[Proc] = set()
@@ -185,7 +192,22 @@ def watch(daemon_pid: int, daemon_start: int, pids_file: Path | None, stream=Non
     removed = sweep_when_unmapped(segments_since(daemon_started))
     if pids_file is not None:
         pids_file.unlink(missing_ok=True)
-    return {"clean": False, "killed": killed, "shm_removed": removed, "took_s": round(time.monotonic() - started, 2)}
+    temp_removed = [str(d) for d in temp_dirs if remove_temp_dir(d)]
+    return {"clean": False, "killed": killed, "shm_removed": removed, "temp_dirs_removed": temp_removed,
+            "took_s": round(time.monotonic() - started, 2)}
+
+
+def remove_temp_dir(path: Path) -> bool:
+    """A dead daemon's temporary directory: its ``multiprocessing`` directory (the sockets of its
+    engine-core fork server and its Ray agent) or its own runtime directory (its event socket),
+    only one of those names (``TEMP_PREFIXES``) and of this user."""
+    try:
+        if not path.name.startswith(TEMP_PREFIXES) or path.lstat().st_uid != os.getuid() or not path.is_dir():
+            return False
+    except OSError:
+        return False
+    shutil.rmtree(path, ignore_errors=True)
+    return not path.exists()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pid", type=int, required=True, help="the daemon's pid")
     parser.add_argument("--start-time", type=int, required=True, help="the daemon's start time (clock ticks since boot)")
     parser.add_argument("--pids-file", type=Path, help="where to keep the snapshot of the daemon's processes")
+    parser.add_argument("--temp-dir", type=Path, action="append", default=[],
+                        help="a temporary directory of the daemon's, removed after a reap (repeatable)")
     args = parser.parse_args(argv)
     if os.getppid() != args.pid or start_time(args.pid) != args.start_time:
         print(json.dumps({"level": "error", "logger": "vllm_supervisor.reaper", "event": "not started by a live daemon",
@@ -202,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     # says "clean"; the reaper must not go first. SIGHUP is the daemon's reload.
     for signum in (signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)
-    result = watch(args.pid, args.start_time, args.pids_file)
+    result = watch(args.pid, args.start_time, args.pids_file, temp_dirs=tuple(args.temp_dir))
     if not result["clean"]:
         record = {"time": time.time(), "level": "warning", "logger": "vllm_supervisor.reaper",
                   "event": "daemon died: its processes and shared memory reaped", "daemon_pid": args.pid, **result}

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import shutil
 import sys
 from typing import Any, Sequence
 
@@ -215,7 +217,7 @@ def run(settings: Settings, engine_args: Any, reload: Any = None, early_agent: A
 
 
 async def _serve(settings: Settings, engine_args: Any, reload: Any = None, early_agent: Any = None) -> int:
-    serving = False
+    serving, sup = False, None
     try:  # until the daemon runs, any way out kills the early Ray agent (the first connect takes it)
         from supervisor.control import socket_answers, socket_path
         from supervisor.daemon import Supervisor
@@ -223,6 +225,10 @@ async def _serve(settings: Settings, engine_args: Any, reload: Any = None, early
 
         control = socket_path(settings.supervisor.control_socket, engine_args.port, engine_args.uds or "")
         sup = Supervisor(settings, engine_args, reload_settings=reload, control_socket=control, early_agent=early_agent)
+        # vLLM's ZeroMQ sockets (the engine core's and its workers', named by uuid, in /tmp by
+        # default) in the daemon's runtime directory, which its stop removes and the reaper after
+        # a crash: `vllm serve` on Ray V2 leaves 7 of them in /tmp at every start
+        os.environ.setdefault("VLLM_RPC_BASE_PATH", str(sup.runtime_dir))
         front = Front(sup, engine_args)
         try:
             front.bind()
@@ -237,6 +243,8 @@ async def _serve(settings: Settings, engine_args: Any, reload: Any = None, early
     finally:
         if not serving:  # the agent is still unconnected (RayLink holds it, or dropped it): a kill is idempotent
             _kill(early_agent)
+            for made in sup.own_dirs() if sup is not None else ():  # its stop would have removed them
+                shutil.rmtree(made, ignore_errors=True)
     http = asyncio.create_task(front.serve())
     try:
         code = await sup.run()
@@ -254,7 +262,7 @@ def _crash_only_start(settings: Settings, engine_args: Any, sup: Any, control: s
     from supervisor.control import uds_key
 
     key = uds_key(engine_args.uds) if engine_args.uds else f"{engine_args.host or 'any'}-{engine_args.port}"
-    record = crashrecord.RunRecord(crashrecord.record_path(settings.supervisor.data_dir, key))
+    record = crashrecord.RunRecord(crashrecord.record_path(settings.supervisor.data_dir, key), sup.own_dirs())
     pred = crashrecord.read_predecessor(record.path)
     if pred is not None:
         cleaned = crashrecord.clean_local(pred, record.path)

@@ -22,6 +22,7 @@ write to them or their directory.
 from __future__ import annotations
 
 import json
+import multiprocessing.util
 import os
 import socket
 import stat
@@ -32,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from executor.reaper import read_pids, reap, start_time
+from executor.reaper import read_pids, reap, remove_temp_dir, start_time
 from executor.shm import SHM_DIR, sweep, vllm_segments
 from supervisor import logs
 
@@ -60,6 +61,7 @@ class Predecessor:
     ray_address: str = ""
     control_socket: str = ""
     reaper: tuple[int, int] | None = None  # (pid, start time)
+    temp_dirs: tuple[str, ...] = ()  # its own temporary directories (``RunRecord.temp_dirs``)
     cleaned: dict[str, Any] = field(default_factory=dict)
 
 
@@ -89,7 +91,8 @@ def read_predecessor(record: Path) -> Predecessor | None:
         return None  # it still runs (another daemon with this port, e.g. on a Unix socket)
     reaper = data.get("reaper")
     return Predecessor(pid, str(data.get("daemon_id", "")), str(data.get("ray_address", "")),
-                       str(data.get("control_socket", "")), tuple(reaper) if isinstance(reaper, list) else None)
+                       str(data.get("control_socket", "")), tuple(reaper) if isinstance(reaper, list) else None,
+                       tuple(str(d) for d in data.get("temp_dirs") or ()))
 
 
 def clean_local(pred: Predecessor, record: Path) -> dict[str, Any]:
@@ -119,15 +122,21 @@ def clean_local(pred: Predecessor, record: Path) -> dict[str, Any]:
         if not socket_answers(pred.control_socket):
             Path(pred.control_socket).unlink(missing_ok=True)
             socket_removed = True
-    pred.cleaned = {"processes_killed": killed, "shm_removed": removed, "control_socket_removed": socket_removed}
+    temp_removed = [d for d in pred.temp_dirs if remove_temp_dir(Path(d))]
+    pred.cleaned = {"processes_killed": killed, "shm_removed": removed, "control_socket_removed": socket_removed,
+                    "temp_dirs_removed": temp_removed}
     return pred.cleaned
 
 
 class RunRecord:
     """This daemon's record and its reaper."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, own_dirs: tuple[Path, ...] = ()):
+        """``own_dirs``: temporary directories this daemon made and its exit removes (its runtime
+        directory unless systemd gave it one), which a crash leaves to the reaper; with
+        ``multiprocessing``'s (the sockets of the fork server and the Ray agent)."""
         self.path = path
+        self.temp_dirs = [multiprocessing.util.get_temp_dir(), *map(str, own_dirs)]
         self.reaper: subprocess.Popen | None = None
         self._pipe: IO[bytes] | None = None
 
@@ -136,7 +145,7 @@ class RunRecord:
         reaper = [self.reaper.pid, start_time(self.reaper.pid)] if self.reaper else None
         data = {"pid": os.getpid(), "start_time": start_time(os.getpid()), "daemon_id": daemon_id,
                 "ray_address": ray_address, "control_socket": control_socket, "started_at": time.time(),
-                "reaper": reaper}
+                "reaper": reaper, "temp_dirs": self.temp_dirs}
         tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as fh:
@@ -148,7 +157,7 @@ class RunRecord:
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.reaper = subprocess.Popen(
             [sys.executable, "-m", "executor.reaper", "--pid", str(os.getpid()), "--start-time", str(start_time(os.getpid())),
-             "--pids-file", str(pids_path(self.path))],
+             "--pids-file", str(pids_path(self.path)), *(f"--temp-dir={d}" for d in self.temp_dirs)],
             stdin=subprocess.PIPE, cwd=str(Path(__file__).resolve().parent.parent), close_fds=True,
         )
         self._pipe = self.reaper.stdin

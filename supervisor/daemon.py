@@ -282,6 +282,11 @@ class Supervisor:
 
     # --- status ---------------------------------------------------------------------
 
+    def own_dirs(self) -> tuple[Path, ...]:
+        """The temporary directories this daemon made, which its stop removes (a crash leaves
+        them to the reaper, ``supervisor.crashrecord``)."""
+        return (self.runtime_dir,) if self._own_runtime_dir else ()
+
     def status(self) -> dict[str, Any]:
         c = self.client
         return {

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -25,14 +26,23 @@ STAND_IN = textwrap.dedent("""
     import os, subprocess, sys, time
     from pathlib import Path
     from supervisor.crashrecord import RunRecord
-    record = RunRecord(Path(sys.argv[1]))
+    import multiprocessing.util, socket, tempfile
+    runtime_dir = tempfile.mkdtemp(prefix="vllm-supervisor-")  # as the daemon's own, with its event socket
+    record = RunRecord(Path(sys.argv[1]), (Path(runtime_dir),))
     record.start_reaper()
     record.write("vsup-test", "", "")
     # a child with its own child, and one that renames itself (no environment marker to find)
     child = subprocess.Popen([sys.executable, "-c", "import subprocess, time; subprocess.Popen(['sleep', '300']); time.sleep(300)"])
     subprocess.Popen(["sleep", "301"])
     Path("/dev/shm/" + sys.argv[2]).write_bytes(b"ring")
-    print("up", flush=True)
+    # a listener in this process's multiprocessing directory, as the fork server's and the Ray
+    # agent's, and one in its runtime directory, as its event socket
+    listeners = [socket.socket(socket.AF_UNIX) for _ in range(2)]
+    listeners[0].bind(os.path.join(multiprocessing.util.get_temp_dir(), "listener-test"))
+    listeners[1].bind(os.path.join(runtime_dir, "events-test.sock"))
+    for listener in listeners:
+        listener.listen()
+    print("up", multiprocessing.util.get_temp_dir(), runtime_dir, flush=True)
     if sys.argv[3] == "late":  # a child started after a quiet while
         sys.stdin.readline()
         subprocess.Popen(["sleep", "302"])
@@ -60,20 +70,24 @@ def start_stand_in(tmp_path: Path, mode: str):
     record = tmp_path / "run" / "daemon-test-1.json"
     proc = subprocess.Popen([sys.executable, "-c", STAND_IN, str(record), segment, mode], cwd=ROOT,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    assert proc.stdout.readline().strip() == b"up"
+    up, *temp_dirs = proc.stdout.readline().split()
+    assert up == b"up"
     # 1 child + its sleep + 1 sleep (not the reaper itself), snapshotted into the pids file
     wait_for(lambda: len(read_pids(crashrecord.pids_path(record, proc.pid))) >= 3, what="the reaper's snapshot")
-    return proc, record, segment
+    return proc, record, segment, [Path(d.decode()) for d in temp_dirs]
 
 
 def test_sigkill_of_the_daemon_takes_its_process_tree_and_shared_memory(tmp_path):
-    proc, record, segment = start_stand_in(tmp_path, "crash")
+    proc, record, segment, temp_dirs = start_stand_in(tmp_path, "crash")
     tree = descendants(proc.pid)
     assert len(tree) == 4
+    assert temp_dirs[0].name.startswith("pymp-") and (temp_dirs[0] / "listener-test").is_socket()
+    assert temp_dirs[1].name.startswith("vllm-supervisor-") and (temp_dirs[1] / "events-test.sock").is_socket()
     proc.kill()
     proc.wait()
     wait_for(lambda: all(start_time(pid) != st for pid, st in tree), what="the tree to be reaped")
     wait_for(lambda: not Path("/dev/shm", segment).exists(), what="the segment to be removed")
+    wait_for(lambda: not any(d.exists() for d in temp_dirs), what="the daemon's temporary directories to be removed")
     wait_for(lambda: not crashrecord.pids_path(record, proc.pid).exists(), what="the pids file to go")
     # the record stays: the next daemon on this port sees that its predecessor crashed
     assert crashrecord.read_predecessor(record).pid == proc.pid
@@ -85,7 +99,7 @@ def test_a_process_started_after_a_quiet_while_is_snapshotted_and_reaped(tmp_pat
     before = last_pid()
     subprocess.run(["true"], check=True)
     assert last_pid() not in (None, before)
-    proc, record, segment = start_stand_in(tmp_path, "late")
+    proc, record, segment, temp_dirs = start_stand_in(tmp_path, "late")
     tree = descendants(proc.pid)
     try:
         time.sleep(2.0)  # quiet: the reaper's checks read /proc/loadavg alone
@@ -100,14 +114,17 @@ def test_a_process_started_after_a_quiet_while_is_snapshotted_and_reaped(tmp_pat
         proc.wait()
         wait_for(lambda: all(start_time(pid) != st for pid, st in tree), what="the tree to be reaped")
         wait_for(lambda: not Path("/dev/shm", segment).exists(), what="the segment to be removed")
+        wait_for(lambda: not any(d.exists() for d in temp_dirs), what="the daemon's temporary directories to be removed")
     finally:  # a failure leaves nothing either
         proc.kill()
         reap(tree)
         Path("/dev/shm", segment).unlink(missing_ok=True)
+        for d in temp_dirs:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def test_a_clean_stop_leaves_everything_to_the_daemon(tmp_path):
-    proc, record, segment = start_stand_in(tmp_path, "clean")
+    proc, record, segment, temp_dirs = start_stand_in(tmp_path, "clean")
     tree = descendants(proc.pid)
     try:
         proc.stdin.write(b"go\n")
@@ -117,17 +134,20 @@ def test_a_clean_stop_leaves_everything_to_the_daemon(tmp_path):
         time.sleep(1.0)
         alive = [pid for pid, st in tree if start_time(pid) == st]
         assert len(alive) == 3  # the reaper exited; the daemon's own children untouched
-        assert Path("/dev/shm", segment).exists()
+        assert Path("/dev/shm", segment).exists() and all(d.exists() for d in temp_dirs)
     finally:
         proc.kill()
         reap(tree)
         Path("/dev/shm", segment).unlink(missing_ok=True)
+        for d in temp_dirs:  # the daemon's own stop removes them
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def test_the_next_start_reaps_what_a_dead_reaper_could_not(tmp_path):
     """Both the daemon and its reaper killed (an OOM kill of the whole group): the successor
-    kills the tree from the pids file, removes stale segments and a stale control socket."""
-    proc, record, segment = start_stand_in(tmp_path, "crash")
+    kills the tree from the pids file, removes stale segments, a stale control socket and the
+    predecessor's multiprocessing directory."""
+    proc, record, segment, temp_dirs = start_stand_in(tmp_path, "crash")
     tree = descendants(proc.pid)
     reaper = json.loads(record.read_text())["reaper"][0]
     os.kill(reaper, signal.SIGKILL)
@@ -145,10 +165,13 @@ def test_the_next_start_reaps_what_a_dead_reaper_could_not(tmp_path):
     try:
         assert len(cleaned["processes_killed"]) == 3
         assert segment in cleaned["shm_removed"] and cleaned["control_socket_removed"]
+        assert cleaned["temp_dirs_removed"] == [str(d) for d in temp_dirs] and not any(d.exists() for d in temp_dirs)
         wait_for(lambda: all(start_time(pid) != st for pid, st in tree), what="the tree to be reaped")
     finally:
         reap(tree)
         Path("/dev/shm", segment).unlink(missing_ok=True)
+        for d in temp_dirs:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def test_a_live_predecessor_or_a_foreign_record_is_left_alone(tmp_path):

@@ -24,7 +24,7 @@ def orphan() -> int:
 
 def test_an_orphan_a_child_and_a_new_segment_are_found_and_an_allowed_tree_is_not():
     leaks = Leaks()
-    assert leaks.new() == {"processes": {}, "shm": []}
+    assert leaks.new() == {"processes": {}, "shm": [], "sockets": []}
     lost = orphan()
     child = subprocess.Popen(SLEEPER)
     kept = subprocess.Popen(SLEEPER)
@@ -49,3 +49,51 @@ def test_an_orphan_a_child_and_a_new_segment_are_found_and_an_allowed_tree_is_no
             os.kill(lost, 9)
         except ProcessLookupError:
             pass
+
+
+def test_a_socket_left_by_a_killed_process_is_found_and_a_bound_one_is_not():
+    """A process killed with its listener in a ``pymp-*`` directory (what the Ray agent left at
+    every daemon stop) leaves a socket nobody has bound; a live listener's is not a leftover."""
+    import shutil
+    import signal
+    import tempfile
+
+    leaks = Leaks()
+    where = tempfile.mkdtemp(prefix="pymp-")
+    listen = ("import socket, sys, time; s = socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); s.listen(); "
+              "print('up', flush=True); time.sleep(60)")
+    dead, live = os.path.join(where, "listener-dead"), os.path.join(where, "listener-live")
+    procs = [subprocess.Popen([sys.executable, "-c", listen, path], stdout=subprocess.PIPE) for path in (dead, live)]
+    try:
+        for proc in procs:
+            assert proc.stdout.readline().strip() == b"up"
+        assert leaks.new(allow=lambda: [p.pid for p in procs])["sockets"] == []  # both bound
+        procs[0].send_signal(signal.SIGKILL)
+        procs[0].wait()
+        assert leaks.new(allow=lambda: [procs[1].pid])["sockets"] == [dead]
+        procs[1].kill()
+        procs[1].wait()
+        leaks.kill_new()
+        assert not os.path.exists(where), "kill_new leaves the dead sockets' directory once it is empty"
+        assert leaks.wait_clean(settle_s=1) == {}
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(where, ignore_errors=True)
+
+
+def test_a_dead_socket_in_the_temporary_directory_itself_counts_only_when_asked(tmp_path, monkeypatch):
+    """vLLM's ZeroMQ sockets go in the temporary directory itself: the smoke counts them (the
+    daemon leaves none); the tests that also run `vllm serve` (which leaves 7) do not."""
+    import socket
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    everywhere, below = Leaks(top_sockets=True), Leaks()
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(tmp_path / "0b5a4526-ce9e-43e6-9c86-e6bd751e83cb"))  # closed unbound: as a killed process's
+    assert everywhere.new()["sockets"] == [str(tmp_path / "0b5a4526-ce9e-43e6-9c86-e6bd751e83cb")]
+    assert below.new()["sockets"] == []
+    everywhere.kill_new()
+    assert everywhere.new()["sockets"] == [] and tmp_path.exists()
