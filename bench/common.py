@@ -261,6 +261,11 @@ class HostSpeed:
         return {**result, "host_speed_samples": len(samples)}
 
 
+def host_work(result: dict) -> str:
+    """The host gauge's parts (``HostSpeed``) in CPU ms, as "matmul + python + memory"."""
+    return " + ".join(f"{result.get(f'host_{part}_ms') or 0:.3f}" for part in HostSpeed.PARTS)
+
+
 def tree(roots: list[int] | int, marker: str | None = None) -> list[int]:
     """``roots`` and their descendants, plus the processes carrying ``marker`` (a Ray head's)."""
     from chaos.harness import marked_pids

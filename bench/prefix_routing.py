@@ -40,7 +40,7 @@ from typing import Any
 
 import openai
 
-from bench.common import MODEL_NAME, HostSteal, VllmServe, base_parser, prioritise
+from bench.common import MODEL_NAME, HostSpeed, HostSteal, VllmServe, base_parser, host_work, prioritise
 from chaos import inject
 from chaos.harness import OPERATOR_ENV, Daemon, RayHead
 
@@ -122,8 +122,11 @@ def _client_session(nice: int) -> None:
 
 
 def _measure(base_url: str, args) -> dict[str, Any]:
-    started, steal = time.monotonic(), HostSteal()
-    requests = asyncio.run(workload(base_url, args))
+    started, steal, speed = time.monotonic(), HostSteal(), HostSpeed()
+    try:
+        requests = asyncio.run(workload(base_url, args))
+    finally:
+        host = speed.stop()
     took = time.monotonic() - started
     ttft = sorted(r["ttft_s"] for r in requests if r["ttft_s"] is not None)
     prompt = sum(r["prompt_tokens"] for r in requests)
@@ -131,7 +134,7 @@ def _measure(base_url: str, args) -> dict[str, Any]:
     return {"requests": len(requests), "took_s": round(took, 1), "prompt_tokens": prompt,
             "cached_tokens": cached, "hit_rate": cached / prompt if prompt else 0.0,
             "ttft_p50_ms": 1000 * statistics.median(ttft), "ttft_p99_ms": 1000 * ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
-            "details_missing": sum(r["cached_tokens"] is None for r in requests), "host_steal_pct": steal.pct()}
+            "details_missing": sum(r["cached_tokens"] is None for r in requests), "host_steal_pct": steal.pct(), **host}
 
 
 def daemon_setup(policy: str, head: RayHead | None = None, slack: int | None = None) -> tuple[dict[str, Any], tuple[str, ...]]:
@@ -240,12 +243,13 @@ def main() -> int:
              "each server's models on core 0 by default (vllm serve's: or one core each); "
              f"2 cores; {args.conversations} conversations × {args.turns} turns over {args.system_prompts} system prompts, "
              f"{args.concurrency} at a time, {args.max_tokens} tokens per reply)", "",
-             "| round | routing | requests | prompt tokens found cached (hit rate) | TTFT p50 (ms) | TTFT p99 (ms) | took (s) | host steal (%) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| round | routing | requests | prompt tokens found cached (hit rate) | TTFT p50 (ms) | TTFT p99 (ms) | took (s) | host steal (%) "
+             "| host work, matmul + python + memory (ms) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in rows:
         lines.append(f"| {row['round']} | {row['policy']} | {row['requests']} | {row['cached_tokens']} / {row['prompt_tokens']} "
                      f"({100 * row['hit_rate']:.1f} %) | {row['ttft_p50_ms']:.1f} | {row['ttft_p99_ms']:.1f} | {row['took_s']} "
-                     f"| {row.get('host_steal_pct', 0):.2f} |")
+                     f"| {row.get('host_steal_pct', 0):.2f} | {host_work(row)} |")
     lines += ["", "Medians over the rounds:", "",
               "| routing | hit rate | TTFT p50 (ms) | TTFT p99 (ms) | throughput (req/s) |", "| --- | --- | --- | --- | --- |"]
     median = {kind: medians([r for r in rows if r["policy"] == kind]) for kind in args.kinds}

@@ -49,7 +49,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.common import (
-    HostSpeed, HostSteal, VllmServe, base_parser, bench_serve, spread, start_daemon, thread_schedstat, tree, tree_cpu_s,
+    HostSpeed, HostSteal, VllmServe, base_parser, bench_serve, host_work, spread, start_daemon, thread_schedstat, tree, tree_cpu_s,
 )
 from chaos import inject
 from chaos.harness import RayHead
@@ -410,11 +410,6 @@ def run_interleaved(kinds: list[str], work: Path, head: RayHead, args) -> dict[s
         for server in servers.values():
             server.stop()
     return runs
-
-
-def host_work(result: dict) -> str:
-    """The host gauge's parts (``HostSpeed``) in CPU ms, as "matmul + python + memory"."""
-    return " + ".join(f"{result.get(f'host_{part}_ms') or 0:.3f}" for part in HostSpeed.PARTS)
 
 
 def report(r: int, kind: str, result: dict) -> dict:
