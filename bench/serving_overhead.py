@@ -355,6 +355,19 @@ class ProbeLoad:
     input_len, output_len, client_nice = 32, 64, -10
 
 
+def loop_load(server: Any, work: Path, name: str) -> str:
+    """The probes' saturation load (2000 prompts, 8 at a time, 32 in / 64 out, the client at -10)
+    against ``server``, and its front's event-loop thread per output token over it (``/proc``
+    schedstat): "N req/s, loop X µs/token on a core, Y waiting, Z runs/token"."""
+    pid = server.proc.pid
+    before = thread_schedstat(pid)
+    result = bench_serve(server.base_url, work, name, 2000, float("inf"), 32, 64, max_concurrency=8, client_nice=-10)
+    run, wait, runs = (b - a for a, b in zip(before, thread_schedstat(pid)))
+    tokens = result["total_output_tokens"]
+    return (f"{result['request_throughput']:.1f} req/s, loop {1e6 * run / tokens:.1f} µs/token on a core, "
+            f"{1e6 * wait / tokens:.1f} waiting, {runs / tokens:.2f} runs/token")
+
+
 def generated_tokens(base_url: str) -> float:
     """The server's ``vllm:generation_tokens_total``, summed over its label sets."""
     text = httpx.get(f"{base_url}/metrics", timeout=30).text

@@ -15,8 +15,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.common import RayHead, bench_serve, start_daemon, thread_schedstat
-from bench.serving_overhead import ProbeLoad, alternating, start, warm_up
+from bench.common import RayHead, start_daemon
+from bench.serving_overhead import ProbeLoad, alternating, loop_load, start, warm_up
 
 ROOT = Path(__file__).resolve().parents[3]
 KINDS = ["vllm_serve", "daemon_here", "daemon_ref"]
@@ -45,14 +45,7 @@ def main() -> None:
             server = launch(kind, work / f"{kind}-{r}", head, ref_tree)
             try:
                 warm_up(server, work / f"{kind}-{r}", f"{kind}-{r}", ProbeLoad)
-                pid = server.proc.pid
-                before = thread_schedstat(pid)
-                result = bench_serve(server.base_url, work / f"{kind}-{r}", f"{kind}-{r}", 2000, float("inf"), 32, 64,
-                                     max_concurrency=8, client_nice=-10)
-                run, wait, runs = (b - a for a, b in zip(before, thread_schedstat(pid)))
-                tokens = result["total_output_tokens"]
-                print(f"round {r + 1} {kind}: {result['request_throughput']:.1f} req/s, loop {1e6 * run / tokens:.1f} "
-                      f"µs/token on a core, {1e6 * wait / tokens:.1f} waiting, {runs / tokens:.2f} runs/token", flush=True)
+                print(f"round {r + 1} {kind}: {loop_load(server, work / f'{kind}-{r}', f'{kind}-{r}')}", flush=True)
             finally:
                 server.stop()
     finally:

@@ -3,28 +3,22 @@
 
     PYTHONPATH=. .venv/bin/python bench/results/standby-idle-threads-2026-11-29/dump.py
 """
-import os, shutil, subprocess, tempfile, time
+import os
+import subprocess
+import time
 from pathlib import Path
-from bench.common import RayHead
-from bench.serving_overhead import start
-work = Path(tempfile.mkdtemp(prefix="standby-dump-"))
-head = RayHead(num_cpus=2).start()
-try:
-    server = start("daemon", work, head)
-    try:
-        time.sleep(5)
-        pid = server.status()["standby"]["workers"][0]["pid"]
-        for tid in sorted(os.listdir(f"/proc/{pid}/task"), key=int):
-            comm = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
-            if comm.startswith("ray::"):
-                run0 = int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[2])
-                time.sleep(2)
-                run1 = int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[2])
-                wchan = Path(f"/proc/{pid}/task/{tid}/wchan").read_text()
-                print(f"tid {tid} {comm}: {(run1 - run0) / 2:.1f} runs/s, wchan {wchan}", flush=True)
-        out = subprocess.run([".venv/bin/py-spy", "dump", "--native", "--pid", str(pid)], capture_output=True, text=True)
-        print(out.stdout[-6000:], out.stderr[-500:], flush=True)
-    finally:
-        server.stop()
-finally:
-    head.stop(); shutil.rmtree(work, ignore_errors=True)
+
+from threads import settled_daemon  # the probe beside this one: a script's own directory is first on sys.path
+
+with settled_daemon() as server:
+    pid = server.status()["standby"]["workers"][0]["pid"]
+    for tid in sorted(os.listdir(f"/proc/{pid}/task"), key=int):
+        comm = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+        if comm.startswith("ray::"):
+            run0 = int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[2])
+            time.sleep(2)
+            run1 = int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[2])
+            wchan = Path(f"/proc/{pid}/task/{tid}/wchan").read_text()
+            print(f"tid {tid} {comm}: {(run1 - run0) / 2:.1f} runs/s, wchan {wchan}", flush=True)
+    out = subprocess.run([".venv/bin/py-spy", "dump", "--native", "--pid", str(pid)], capture_output=True, text=True)
+    print(out.stdout[-6000:], out.stderr[-500:], flush=True)

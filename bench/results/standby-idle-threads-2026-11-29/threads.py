@@ -7,6 +7,7 @@ name. The serving worker beside it for comparison.
     PYTHONPATH=. .venv/bin/python bench/results/standby-idle-threads-2026-11-29/threads.py [window_s]
 """
 
+import contextlib
 import os
 import shutil
 import sys
@@ -14,6 +15,7 @@ import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Any, Iterator
 
 from bench.common import RayHead
 from bench.serving_overhead import start
@@ -46,39 +48,47 @@ def serving_worker(standby_pid: int) -> int | None:
     return None
 
 
-def main() -> None:
-    window = float(sys.argv[1]) if len(sys.argv) > 1 else 30.0
+@contextlib.contextmanager
+def settled_daemon() -> Iterator[Any]:
+    """A daemon with its defaults on a Ray head of 2 CPUs, its standby ready and 5 s of quiet
+    after; stopped, with the head and its directory, after the block."""
     work = Path(tempfile.mkdtemp(prefix="standby-threads-"))
     head = RayHead(num_cpus=2).start()
     try:
         server = start("daemon", work, head)
         try:
             time.sleep(5)
-            standby = server.status()["standby"]
-            pids = {"standby worker": standby["workers"][0]["pid"], "fork server": standby["forkserver_pid"],
-                    "serving worker": serving_worker(standby["workers"][0]["pid"])}
-            before = {k: threads(p) for k, p in pids.items() if p}
-            time.sleep(window)
-            after = {k: threads(p) for k, p in pids.items() if p}
-            for what, now in after.items():
-                by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0])
-                for tid, (name, run_ns, runs) in now.items():
-                    _, run0, runs0 = before[what].get(tid, (name, 0, 0))
-                    row = by_name[name]
-                    row[0] += 1
-                    row[1] += (run_ns - run0) / 1e6 / window
-                    row[2] += (runs - runs0) / window
-                total_cpu = sum(r[1] for r in by_name.values())
-                total_wakes = sum(r[2] for r in by_name.values())
-                print(f"{what} (pid {pids[what]}): {len(now)} threads, {total_cpu:.2f} CPU ms/s, {total_wakes:.1f} runs/s", flush=True)
-                for name, (n, cpu, wakes) in sorted(by_name.items(), key=lambda kv: -kv[1][2]):
-                    if wakes >= 0.05 or cpu >= 0.01:
-                        print(f"  {name:24s} x{n:<3d} {wakes:7.2f} runs/s {cpu:7.3f} CPU ms/s", flush=True)
+            yield server
         finally:
             server.stop()
     finally:
         head.stop()
         shutil.rmtree(work, ignore_errors=True)
+
+
+def main() -> None:
+    window = float(sys.argv[1]) if len(sys.argv) > 1 else 30.0
+    with settled_daemon() as server:
+        standby = server.status()["standby"]
+        pids = {"standby worker": standby["workers"][0]["pid"], "fork server": standby["forkserver_pid"],
+                "serving worker": serving_worker(standby["workers"][0]["pid"])}
+        before = {k: threads(p) for k, p in pids.items() if p}
+        time.sleep(window)
+        after = {k: threads(p) for k, p in pids.items() if p}
+        for what, now in after.items():
+            by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0])
+            for tid, (name, run_ns, runs) in now.items():
+                _, run0, runs0 = before[what].get(tid, (name, 0, 0))
+                row = by_name[name]
+                row[0] += 1
+                row[1] += (run_ns - run0) / 1e6 / window
+                row[2] += (runs - runs0) / window
+            total_cpu = sum(r[1] for r in by_name.values())
+            total_wakes = sum(r[2] for r in by_name.values())
+            print(f"{what} (pid {pids[what]}): {len(now)} threads, {total_cpu:.2f} CPU ms/s, {total_wakes:.1f} runs/s", flush=True)
+            for name, (n, cpu, wakes) in sorted(by_name.items(), key=lambda kv: -kv[1][2]):
+                if wakes >= 0.05 or cpu >= 0.01:
+                    print(f"  {name:24s} x{n:<3d} {wakes:7.2f} runs/s {cpu:7.3f} CPU ms/s", flush=True)
 
 
 if __name__ == "__main__":
