@@ -221,6 +221,17 @@ class Daemon:
 
         return {n for n in (shm_segments() - self.shm_before) - mapped_segments() if not n.startswith("sem.mp-")}
 
+    def dead_sockets(self, settle_s: float = 15) -> list[str]:
+        """Sockets that appeared since this daemon started, one level down in the temporary
+        directory (its runtime directory, where vLLM's ZeroMQ endpoints are), and that no live
+        process has bound: what a torn-down generation left behind. The daemon sweeps them
+        once the old engine is released (2 s after its teardown) and its workers have exited:
+        polled for up to ``settle_s``, empty when clean."""
+        deadline = time.monotonic() + settle_s
+        while (left := self.leaks.dead_sockets()) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        return left
+
     def wait_replicas_serving(self, above: dict[int, int] | None = None, timeout_s: float = 300) -> list[dict]:
         """Until every engine replica serves, each on a generation above ``above[replica]``
         when given; returns the replicas' status."""

@@ -88,19 +88,10 @@ def temp_sockets(root: str | None = None, top: bool = False) -> set[str]:
 
 def bound_sockets(table: dict[int, dict]) -> set[str]:
     """The paths of the Unix sockets live processes have bound, in every network namespace
-    one of ``table``'s processes is in (``/proc/<pid>/net/unix`` shows its own namespace's)."""
-    seen, out = set(), set()
-    for pid in [os.getpid(), *table]:
-        try:
-            ns = os.readlink(f"/proc/{pid}/ns/net")
-            if ns in seen:
-                continue
-            seen.add(ns)
-            with open(f"/proc/{pid}/net/unix") as fh:
-                out |= {fields[7] for fields in (line.split() for line in fh) if len(fields) > 7}
-        except OSError:
-            continue
-    return out
+    one of ``table``'s processes is in."""
+    from executor.procfs import bound_unix_sockets
+
+    return bound_unix_sockets(list(table))
 
 
 def mapped_by(pids: set[int]) -> set[str]:
@@ -181,10 +172,14 @@ class Leaks:
             if pid in mine or p["ppid"] == 1:  # ours, or orphaned to init
                 found[pid] = cmdline(pid)
         shm = set(os.listdir(SHM)) - self.shm_before - (mapped_by(allowed) if allowed else set())
+        return {"processes": found, "shm": sorted(shm), "sockets": self.dead_sockets(table)}
+
+    def dead_sockets(self, table: dict[int, dict] | None = None) -> list[str]:
+        """The new sockets in the temporary directory's directories (and with ``top_sockets``
+        in it) that no live process has bound: while a daemon runs, what its torn-down engine
+        generations left in its runtime directory."""
         sockets = temp_sockets(top=self.top) - self.sockets_before
-        if sockets:
-            sockets -= bound_sockets(table)
-        return {"processes": found, "shm": sorted(shm), "sockets": sorted(sockets)}
+        return sorted(sockets - bound_sockets(processes() if table is None else table)) if sockets else []
 
     def wait_clean(self, settle_s: float = 15, allow: Callable[[], Iterable[int]] = lambda: ()) -> dict[str, object]:
         """Poll ``new()`` until it is empty or ``settle_s`` passed; returns the last (empty

@@ -138,9 +138,14 @@ def start(preload: list[str] | None = None) -> float:
     started = time.monotonic()
     with _lock:
         _CONTEXT.set_forkserver_preload(list(preload or PRELOAD))
+        before = multiprocessing.forkserver._forkserver._forkserver_address
         # The server imports its preload list before it answers: one no-op child proves it.
         probe = _CONTEXT.Process(target=_noop, name="vllm-supervisor-forkserver-probe", daemon=True)
         probe.start()
+        if before != multiprocessing.forkserver._forkserver._forkserver_address:
+            # ``ensure_running`` replaced a dead server, and Python removes a server's socket
+            # file only in its own stop: one dead socket per replacement was left until exit
+            _unlink(before)
         probe.join()
         if probe.exitcode != 0:
             raise RuntimeError(f"fork server probe exited with {probe.exitcode}")
@@ -165,9 +170,7 @@ def stop(timeout_s: float = 5.0) -> None:
             server._forkserver_pid = server._forkserver_alive_fd = server._forkserver_address = None
         if fd is not None:
             os.close(fd)
-        if address and isinstance(address, str) and not address.startswith("\0"):
-            with contextlib.suppress(OSError):
-                os.unlink(address)
+        _unlink(address)
         if p is None:
             return
         with contextlib.suppress(ProcessLookupError):
@@ -181,6 +184,13 @@ def stop(timeout_s: float = 5.0) -> None:
             if done:
                 return
             time.sleep(0.05)
+
+
+def _unlink(address: object) -> None:
+    """Remove a fork server's socket file (not an abstract socket's name, which has none)."""
+    if address and isinstance(address, str) and not address.startswith("\0"):
+        with contextlib.suppress(OSError):
+            os.unlink(address)
 
 
 @contextlib.contextmanager

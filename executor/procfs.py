@@ -86,6 +86,25 @@ def mapped(prefix: str, only: set[int] | None = None) -> set[str]:
     return found
 
 
+def bound_unix_sockets(pids_: "list[int] | None" = None) -> set[str]:
+    """The paths of the Unix sockets live processes have bound, in every network namespace
+    one of ``pids_`` (default: every process we can read) is in: ``/proc/<pid>/net/unix``
+    shows its own namespace's, once per namespace."""
+    seen: set[str] = set()
+    out: set[str] = set()
+    for pid in [os.getpid(), *(pids() if pids_ is None else pids_)]:
+        try:
+            ns = os.readlink(f"/proc/{pid}/ns/net")
+            if ns in seen:
+                continue
+            seen.add(ns)
+            with open(f"/proc/{pid}/net/unix") as fh:
+                out |= {fields[7] for fields in (line.split() for line in fh) if len(fields) > 7}
+        except OSError:
+            continue
+    return out
+
+
 def owned_by_me(pid: int) -> bool:
     """Whether ``pid`` runs as this process's user."""
     try:

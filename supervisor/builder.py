@@ -52,6 +52,12 @@ class EngineBuilder:
         # rings of torn-down generations still mapped when their teardown stopped waiting: a
         # worker that has not exited (stopped, or on a partitioned host); swept once unmapped
         self._shm_deferred: set[str] = set()
+        # the ZeroMQ socket files each generation's build made (``executor.ipc``), and those of
+        # torn-down generations still bound: by a worker not yet exited, or by this process
+        # until the old engine is collected (``sweep_sockets`` then)
+        self._ipc_owned: dict[int, set[str]] = {}
+        self._ipc_deferred: set[str] = set()
+        self._sweeping = threading.Lock()  # the sockets' sweeps come from several threads
 
     @property
     def world_size(self) -> int:
@@ -106,6 +112,7 @@ class EngineBuilder:
         namespace. Without standby workers, ``start_workers`` (``Standby.starter``) starts the
         build's own beside its engine core (``executor.engine.build_engine`` decides)."""
         from executor.engine import EngineSpec, build_engine, engine_cores_under
+        from executor.ipc import socket_files, sweep
         from executor.shm import vllm_segments
         from executor.steps import StepClock
 
@@ -121,6 +128,7 @@ class EngineBuilder:
             self._building_number = number
             self._cores_at_build_start = engine_cores_under(os.getpid())
             shm_before = self._shm_before[number] = self._shm_at_build_start = vllm_segments()
+            ipc_before = socket_files()
             started = time.monotonic()
             log.info("building engine", engine_generation=number, instance_id=instance_id, replica=replica,
                      standby_workers=bool(standby.get("namespace")), forkserver=bool(standby.get("forkserver")))
@@ -137,7 +145,10 @@ class EngineBuilder:
                 ))
                 self._shm_owned[number] = vllm_segments() - shm_before
             finally:
+                self._ipc_owned[number] = socket_files() - ipc_before  # a failed build's too
                 self._shm_at_build_start = self._cores_at_build_start = self._building_number = None
+            # the start-up hand-shake's socket is closed once the engine is up: its file goes now
+            self._ipc_owned[number] -= set(sweep(self._ipc_owned[number]))
         build_s = time.monotonic() - started
         log.info("engine up", engine_generation=number, replica=replica, build_s=round(build_s, 2))
         from executor.engine import is_cpu_platform
@@ -210,6 +221,7 @@ class EngineBuilder:
 
         self.ray.kill_actors(self.instance_id(number))
         self._shm_owned.pop(number, None)
+        self._sweep_sockets(self._ipc_owned.pop(number, set()))  # those still bound: by a later sweep
         rings = self._rings_of(self._shm_before.pop(number, None))
         # those still mapped (a killed worker not yet exited) are swept once unmapped: by the
         # next build or teardown, or the stop's last sweep
@@ -270,14 +282,43 @@ class EngineBuilder:
             self._shm_deferred |= still
             log.warning("rings still mapped after the teardown: swept once unmapped", engine_generation=gen.number,
                         rings=sorted(still), unreachable=cut_off)
+        # its socket files: those still bound go with ``sweep_sockets``, after the old engine's release
+        sockets = self._sweep_sockets(self._ipc_owned.pop(gen.number, set()))
         removed += self.sweep_deferred()
         log.info("engine torn down", engine_generation=gen.number, leftover_actors_killed=killed, failed_cores_killed=failed_cores,
-                 stray_engine_cores=stray_cores,
-                 shm_removed=removed, took_s=round(time.monotonic() - started, 2))
+                 stray_engine_cores=stray_cores, shm_removed=removed, sockets_removed=len(sockets),
+                 took_s=round(time.monotonic() - started, 2))
+
+    def _sweep_sockets(self, more: set[str] = frozenset()) -> list[str]:
+        """Remove the ZeroMQ socket files of torn-down generations (and ``more``) that no
+        live process has bound any more; the rest stay deferred."""
+        from executor.ipc import sweep
+
+        with self._sweeping:
+            self._ipc_deferred = {path for path in self._ipc_deferred | more if os.path.lexists(path)}
+            removed = sweep(self._ipc_deferred)
+            self._ipc_deferred -= set(removed)
+        return removed
+
+    def sweep_sockets(self, wait_s: float = 10.0) -> list[str]:
+        """Once a torn-down engine was collected (``Recovery``, off the critical path): its
+        socket files, as their last holders let go (this process's client sockets went with
+        the collection; a killed worker's go when it has exited), for up to ``wait_s``."""
+        removed: list[str] = []
+        deadline = time.monotonic() + wait_s
+        while True:
+            removed += self._sweep_sockets()
+            if not self._ipc_deferred or self.abandoned or time.monotonic() >= deadline:
+                break
+            time.sleep(0.5)
+        if removed:
+            log.info("socket files of an earlier generation removed", count=len(removed))
+        return removed
 
     def sweep_deferred(self, wait_s: float = 0.0) -> list[str]:
         """Remove the rings of torn-down generations that nothing maps any more (their last
-        worker exited: killed after a partition healed, say). Each build and teardown call it;
+        worker exited: killed after a partition healed, say), and the socket files nothing
+        binds any more; returns the rings removed. Each build and teardown call it;
         the stop waits up to ``wait_s`` for them (the daemon's last chance: a worker killed at
         the stop may take seconds to exit on a loaded host)."""
         from executor.shm import sweep, vllm_segments
@@ -295,6 +336,8 @@ class EngineBuilder:
             log.info("rings of an earlier generation removed", rings=removed)
         if self._shm_deferred and wait_s:
             log.warning("rings still mapped at the stop: left in /dev/shm", rings=sorted(self._shm_deferred))
+        if self._ipc_deferred and (sockets := self._sweep_sockets()):  # after the rings' wait: workers exited
+            log.info("socket files of an earlier generation removed", count=len(sockets))
         return removed
 
     def kill_stuck_workers(self, gen: Generation) -> None:

@@ -40,6 +40,7 @@ class Recovery:
         """``client`` is the request path: a new engine is attached to it and held as the others are."""
         self.builder, self.ray, self.standby, self.client = builder, ray, standby, client
         self.cluster, self.post, self.metrics = cluster, post, metrics
+        self._sweeps: set[asyncio.Future] = set()  # the socket sweeps after a release (held until done)
 
     async def prepare(self) -> None:
         """The model and the Ray connection, before the first builds."""
@@ -211,14 +212,23 @@ class Recovery:
         while any(r not in gen.lingering for r in gen.readers) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
 
-    @staticmethod
-    def _release_soon(gen: Generation, delay_s: float = 2.0) -> None:
+    def _release_soon(self, gen: Generation, delay_s: float = 2.0) -> None:
         """Collect a torn-down generation off the recovery's critical path: the full collection
         holds the GIL for a few hundred ms, and ``delay_s`` after the next build started, that
-        build is waiting for its engine-core process to import vLLM, not for this process."""
+        build is waiting for its engine-core process to import vLLM, not for this process.
+        Its ZeroMQ socket files are swept then, in a thread: the collection closed this
+        process's, and its killed workers have exited by then or soon after."""
 
         def release() -> None:
             log.info("old engine released", engine_generation=gen.number, gc_s=round(gen.release(), 3),
                      lingering=len(gen.lingering))
+            sweep = asyncio.ensure_future(asyncio.to_thread(self.builder.sweep_sockets))
+            self._sweeps.add(sweep)
+            sweep.add_done_callback(self._swept)
 
         asyncio.get_running_loop().call_later(delay_s, release)
+
+    def _swept(self, sweep: asyncio.Future) -> None:
+        self._sweeps.discard(sweep)
+        if not sweep.cancelled() and (exc := sweep.exception()) is not None:
+            log.warning("could not sweep an old engine's socket files", error=f"{type(exc).__name__}: {exc}")

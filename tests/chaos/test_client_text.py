@@ -117,6 +117,7 @@ def test_two_kills_per_round_client_text_equals_a_fault_free_run(daemon, ray_hea
     assert names and not stale_actors(names, daemon.status()), names
     assert len(seen["placement_groups"]) == 1, seen
     assert not daemon.unmapped_segments(), daemon.unmapped_segments()
+    assert not daemon.dead_sockets(), daemon.dead_sockets()
     print(f"\nround {round_}: {N} requests, held mid-character at the first kill: {held_at_kill[0]}, "
           f"in flight at the second: {info['in_flight_at_second']}, continued: {continued}, text mismatches: 0")
 

@@ -68,6 +68,7 @@ def assert_clean_generation(daemon: Daemon, ray_head: RayHead, before: int) -> d
     assert names and not stale_actors(names, daemon.status()), names
     assert len(seen["placement_groups"]) == 1 and seen["placement_groups"][0]["state"] == "CREATED", seen
     assert not daemon.unmapped_segments(), daemon.unmapped_segments()
+    assert not daemon.dead_sockets(), daemon.dead_sockets()
     return s
 
 

@@ -360,6 +360,9 @@ class FakeBuilder:
     def sweep_deferred(self, wait_s=0.0):
         return []
 
+    def sweep_sockets(self, wait_s=10.0):
+        return []
+
 
 class FakeSupervisor(Supervisor):
     """The real owner and request path over a ``FakeBuilder`` (with its ``FakeRayLink`` and

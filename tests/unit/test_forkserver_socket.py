@@ -1,0 +1,44 @@
+"""The engine core's fork server listens on a socket file in this process's ``multiprocessing``
+directory. Python unlinks it only in its own stop; a server that died (its engine core's
+failure took it, or it was killed) and is replaced by the next ``start()`` left the file, one
+dead socket per replacement until the daemon exited (found by the recovery tests' check for
+dead sockets). A real fork server, with a light preload."""
+
+from __future__ import annotations
+
+import multiprocessing.forkserver
+import os
+import signal
+import time
+
+from executor import forkserver
+from executor.procfs import bound_unix_sockets
+
+
+def address() -> str | None:
+    return multiprocessing.forkserver._forkserver._forkserver_address
+
+
+def bound(path: str) -> bool:
+    """Read from ``/proc``: a connection would have the server read a fork request."""
+    return path in bound_unix_sockets()
+
+
+def test_a_dead_fork_servers_socket_is_removed_when_it_is_replaced():
+    forkserver.start(["json"])
+    try:
+        first, server = address(), forkserver.pid()
+        assert first and os.path.exists(first) and server
+        os.kill(server, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while forkserver.pid() is not None:  # dead (a zombie until ``start`` reaps it)
+            assert time.monotonic() < deadline, "the killed fork server still runs"
+            time.sleep(0.05)
+        assert os.path.exists(first) and not bound(first)  # what Python's replacement leaves
+        forkserver.start(["json"])
+        second = address()
+        assert second != first and bound(second)
+        assert not os.path.exists(first), "the dead server's socket file was left"
+    finally:
+        forkserver.stop()
+    assert not os.path.exists(second)
