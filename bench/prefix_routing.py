@@ -238,8 +238,16 @@ def main() -> int:
         inject.disconnect()
         if head is not None:
             head.stop()
+    print(write_report(rows, args, own_ray=head is None))
+    return 0
+
+
+def write_report(rows: list[dict[str, Any]], args: Any, own_ray: bool = True) -> str:
+    """The rounds' table, the medians and the ratios, into ``args.out`` (``prefix-routing.md``,
+    and the rows as ``prefix-routing.json``); returns the table. A run cut short after whole
+    rounds is reported from its printed rows the same way."""
     lines = [f"# Prefix-aware routing, least streams and `vllm serve --data-parallel-size 2` ({time.strftime('%Y-%m-%d')}; "
-             f"2 replicas of the demo model, TP=1 each: the daemon's on {'its own local Ray' if head is None else 'one Ray head'}, vllm serve's its own DP=2 engines, "
+             f"2 replicas of the demo model, TP=1 each: the daemon's on {'its own local Ray' if own_ray else 'one Ray head'}, vllm serve's its own DP=2 engines, "
              "each server's models on core 0 by default (vllm serve's: or one core each); "
              f"2 cores; {args.conversations} conversations × {args.turns} turns over {args.system_prompts} system prompts, "
              f"{args.concurrency} at a time, {args.max_tokens} tokens per reply)", "",
@@ -265,8 +273,7 @@ def main() -> int:
     text_out = "\n".join(lines) + "\n"
     (args.out / "prefix-routing.md").write_text(text_out)
     (args.out / "prefix-routing.json").write_text(json.dumps(rows, indent=2) + "\n")
-    print(text_out)
-    return 0
+    return text_out
 
 
 if __name__ == "__main__":
