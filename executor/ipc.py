@@ -33,21 +33,22 @@ def socket_files(directory: Path | None = None) -> set[str]:
         return set()
 
 
-def sweep(candidates: set[str]) -> list[str]:
+def sweep(candidates: set[str]) -> tuple[list[str], set[str]]:
     """Unlink the candidates that still exist and no live process has bound (in any network
     namespace a process we can read is in: a worker of a real-host test's namespace binds in
-    the same directory); returns them."""
+    the same directory); returns them, and the candidates still there because they are bound."""
     from executor.procfs import bound_unix_sockets
 
     if not candidates:
-        return []
+        return [], set()
     # the files first, then who binds them: a file listed before the read is in it while bound
     present = {path for path in candidates if os.path.lexists(path)}
+    bound = present & bound_unix_sockets()
     removed = []
-    for path in sorted(present - bound_unix_sockets()):
+    for path in sorted(present - bound):
         try:
             os.unlink(path)
             removed.append(path)
         except (FileNotFoundError, PermissionError):  # gone, or another user's (a sticky /tmp)
             pass
-    return removed
+    return removed, bound

@@ -148,7 +148,7 @@ class EngineBuilder:
                 self._ipc_owned[number] = socket_files() - ipc_before  # a failed build's too
                 self._shm_at_build_start = self._cores_at_build_start = self._building_number = None
             # the start-up hand-shake's socket is closed once the engine is up: its file goes now
-            self._ipc_owned[number] -= set(sweep(self._ipc_owned[number]))
+            self._ipc_owned[number] = sweep(self._ipc_owned[number])[1]
         build_s = time.monotonic() - started
         log.info("engine up", engine_generation=number, replica=replica, build_s=round(build_s, 2))
         from executor.engine import is_cpu_platform
@@ -282,9 +282,10 @@ class EngineBuilder:
             self._shm_deferred |= still
             log.warning("rings still mapped after the teardown: swept once unmapped", engine_generation=gen.number,
                         rings=sorted(still), unreachable=cut_off)
-        # its socket files: those still bound go with ``sweep_sockets``, after the old engine's release
-        sockets = self._sweep_sockets(self._ipc_owned.pop(gen.number, set()))
-        removed += self.sweep_deferred()
+        # its socket files, with the earlier ones: those still bound go with ``sweep_sockets``,
+        # after the old engine's release
+        rings, sockets = self._sweep_deferred(more_sockets=self._ipc_owned.pop(gen.number, set()))
+        removed += rings
         log.info("engine torn down", engine_generation=gen.number, leftover_actors_killed=killed, failed_cores_killed=failed_cores,
                  stray_engine_cores=stray_cores, shm_removed=removed, sockets_removed=len(sockets),
                  took_s=round(time.monotonic() - started, 2))
@@ -295,9 +296,7 @@ class EngineBuilder:
         from executor.ipc import sweep
 
         with self._sweeping:
-            self._ipc_deferred = {path for path in self._ipc_deferred | more if os.path.lexists(path)}
-            removed = sweep(self._ipc_deferred)
-            self._ipc_deferred -= set(removed)
+            removed, self._ipc_deferred = sweep(self._ipc_deferred | more)
         return removed
 
     def sweep_sockets(self, wait_s: float = 10.0) -> list[str]:
@@ -318,9 +317,17 @@ class EngineBuilder:
     def sweep_deferred(self, wait_s: float = 0.0) -> list[str]:
         """Remove the rings of torn-down generations that nothing maps any more (their last
         worker exited: killed after a partition healed, say), and the socket files nothing
-        binds any more; returns the rings removed. Each build and teardown call it;
-        the stop waits up to ``wait_s`` for them (the daemon's last chance: a worker killed at
-        the stop may take seconds to exit on a loaded host)."""
+        binds any more; returns the rings removed. Each build calls it, and the stop, which
+        waits up to ``wait_s`` for them (the daemon's last chance: a worker killed at the stop
+        may take seconds to exit on a loaded host)."""
+        rings, sockets = self._sweep_deferred(wait_s)
+        if sockets:
+            log.info("socket files of an earlier generation removed", count=len(sockets))
+        return rings
+
+    def _sweep_deferred(self, wait_s: float = 0.0, more_sockets: set[str] = frozenset()) -> tuple[list[str], list[str]]:
+        """``sweep_deferred``, and a teardown's own socket files (``more_sockets``) in the same
+        pass; returns the rings and the socket files removed."""
         from executor.shm import sweep, vllm_segments
 
         removed: list[str] = []
@@ -336,9 +343,9 @@ class EngineBuilder:
             log.info("rings of an earlier generation removed", rings=removed)
         if self._shm_deferred and wait_s:
             log.warning("rings still mapped at the stop: left in /dev/shm", rings=sorted(self._shm_deferred))
-        if self._ipc_deferred and (sockets := self._sweep_sockets()):  # after the rings' wait: workers exited
-            log.info("socket files of an earlier generation removed", count=len(sockets))
-        return removed
+        # after the rings' wait: the workers have exited
+        sockets = self._sweep_sockets(more_sockets) if self._ipc_deferred or more_sockets else []
+        return removed, sockets
 
     def kill_stuck_workers(self, gen: Generation) -> None:
         from executor.engine import kill_engine_workers

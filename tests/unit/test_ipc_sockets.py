@@ -71,10 +71,10 @@ def test_the_sweep_removes_a_dead_socket_and_keeps_a_bound_one(rpc_dir, listener
     killed(dead)
     (rpc_dir / "plain").write_text("not a socket")
     assert socket_files() == {str(rpc_dir / "live"), str(rpc_dir / "dead")}
-    assert sweep(socket_files()) == [str(rpc_dir / "dead")]
+    assert sweep(socket_files()) == ([str(rpc_dir / "dead")], {str(rpc_dir / "live")})
     assert sorted(p.name for p in rpc_dir.iterdir()) == ["live", "plain"]
     killed(live)
-    assert sweep(socket_files()) == [str(rpc_dir / "live")]
+    assert sweep(socket_files()) == ([str(rpc_dir / "live")], set())
 
 
 def test_a_failed_build_removes_the_sockets_it_made_and_no_other(rpc_dir, listeners, monkeypatch):
