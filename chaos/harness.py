@@ -352,11 +352,12 @@ class Daemon:
         while True:
             pids = self.leftover_pids()
             new = self.leaks.new(allow=lambda: self.kept_running(keep))
-            if not pids and not new["processes"] and not new["shm"] and not new["sockets"]:
+            if not pids and not any(new.values()):
                 return
             if time.monotonic() > deadline:
                 cmds = {pid: cmdline(pid) for pid in pids} | new["processes"]
-                raise AssertionError(f"left behind: processes {cmds}, /dev/shm {new['shm']}, dead sockets {new['sockets']}")
+                raise AssertionError(f"left behind: processes {cmds}, /dev/shm {new['shm']}, dead sockets {new['sockets']}, "
+                                     f"file stores {new['stores']}")
             time.sleep(0.5)
 
 

@@ -9,7 +9,8 @@ leftover, less a short named allow-list (``allow``: the trees of what the test k
 on purpose, like another live daemon or the Ray head it started as an operator). So is a new Unix
 socket in a directory of the temporary directory (``multiprocessing``'s ``pymp-*``, whatever
 made it) that no live process has bound: the trace of a process killed before it could remove
-it.
+it. And so is a new torch file store of vLLM's (``vllm_dist_*`` in the temporary directory, the
+``mp`` executor's rendezvous), which its last user removes unless killed first.
 
 Stdlib only (the smoke of ``.ci/`` runs it before anything else is imported).
 """
@@ -86,6 +87,15 @@ def temp_sockets(root: str | None = None, top: bool = False) -> set[str]:
     return out
 
 
+def temp_stores(root: str | None = None) -> set[str]:
+    """vLLM's torch file stores (``vllm_dist_<hex>``) in the temporary directory."""
+    try:
+        with os.scandir(root or tempfile.gettempdir()) as entries:
+            return {e.path for e in entries if e.name.startswith("vllm_dist_") and e.is_file(follow_symlinks=False)}
+    except OSError:
+        return set()
+
+
 def bound_sockets(table: dict[int, dict]) -> set[str]:
     """The paths of the Unix sockets live processes have bound, in every network namespace
     one of ``table``'s processes is in."""
@@ -144,9 +154,10 @@ def inherited(daemon: int, children: Iterable[int], reaper: int | None = None) -
 class Leaks:
     """A snapshot now; ``new()`` later lists what appeared since and is still there."""
 
-    def __init__(self, top_sockets: bool = False) -> None:
-        """``top_sockets``: new sockets in the temporary directory itself count too (not where
-        a test also runs `vllm serve`, which leaves 7 there at every start)."""
+    def __init__(self, top_sockets: bool = True) -> None:
+        """``top_sockets``: new sockets in the temporary directory itself count too (where
+        vLLM puts its ZeroMQ sockets unless told otherwise; ``bench.common.VllmServe`` gives
+        `vllm serve`, which leaves 7 there at every start, a directory of its own)."""
         self.top = top_sockets
         self.me = os.getpid()
         self.uid = os.getuid()
@@ -154,10 +165,12 @@ class Leaks:
         self.before: set[Proc] = {(pid, p["start"]) for pid, p in processes().items()}
         self.shm_before = set(os.listdir(SHM))
         self.sockets_before = temp_sockets(top=self.top)
+        self.stores_before = temp_stores()
 
     def new(self, allow: Callable[[], Iterable[int]] = lambda: ()) -> dict[str, object]:
-        """{"processes": {pid: command line}, "shm": [names], "sockets": [paths]}: what is new
-        and not allowed (a new socket is a leftover once no live process has it bound).
+        """{"processes": {pid: command line}, "shm": [names], "sockets": [paths], "stores":
+        [paths]}: what is new and not allowed (a new socket is a leftover once no live process
+        has it bound; a new file store once nothing is running, as a live engine uses its own).
         ``allow`` gives the roots of process trees the caller keeps on purpose (their
         descendants and the segments they map are allowed too)."""
         table = processes()
@@ -172,7 +185,8 @@ class Leaks:
             if pid in mine or p["ppid"] == 1:  # ours, or orphaned to init
                 found[pid] = cmdline(pid)
         shm = set(os.listdir(SHM)) - self.shm_before - (mapped_by(allowed) if allowed else set())
-        return {"processes": found, "shm": sorted(shm), "sockets": self.dead_sockets(table)}
+        return {"processes": found, "shm": sorted(shm), "sockets": self.dead_sockets(table),
+                "stores": sorted(temp_stores() - self.stores_before)}
 
     def dead_sockets(self, table: dict[int, dict] | None = None) -> list[str]:
         """The new sockets in the temporary directory's directories (and with ``top_sockets``
@@ -187,7 +201,7 @@ class Leaks:
         deadline = time.monotonic() + settle_s
         while True:
             left = self.new(allow)
-            if not left["processes"] and not left["shm"] and not left["sockets"]:
+            if not any(left.values()):
                 return {}
             if time.monotonic() > deadline:
                 return left
@@ -210,6 +224,11 @@ class Leaks:
                     (SHM / name).unlink()
                 except OSError:
                     pass
+        for path in left["stores"]:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
         table = processes()
         for path in sorted((temp_sockets(top=self.top) - self.sockets_before) - bound_sockets(table)):
             try:

@@ -1,4 +1,5 @@
-"""The ZeroMQ ``ipc://`` socket files an engine leaves in vLLM's RPC directory.
+"""The files an engine leaves in the temporary directories: the ZeroMQ ``ipc://`` socket
+files in vLLM's RPC directory, and the ``mp`` executor's torch file store.
 
 vLLM names each of an engine's ZeroMQ endpoints ``ipc://<VLLM_RPC_BASE_PATH>/<uuid>``
 (``vllm.utils.network_utils.get_open_zmq_ipc_path``): the engine core's input and output
@@ -9,6 +10,11 @@ files behind until the daemon stopped (the daemon points vLLM at its own runtime
 ``supervisor.cli``). As with the shared-memory rings (``executor.shm``), a generation's files
 are the ones that appeared while it was being built, and only those no live process still
 has bound are removed.
+
+The ``mp`` executor's workers meet through a torch ``FileStore``, ``vllm_dist_<hex>`` in the
+temporary directory (``vllm.utils.network_utils.get_file_store_init_method``). torch removes it
+when its last user closes it; a killed worker never does, so each failed generation left one.
+Nothing binds a regular file: a generation's store is removed once its workers are killed.
 """
 
 from __future__ import annotations
@@ -31,6 +37,27 @@ def socket_files(directory: Path | None = None) -> set[str]:
             return {e.path for e in entries if stat.S_ISSOCK(e.stat(follow_symlinks=False).st_mode)}
     except OSError:
         return set()
+
+
+def store_files(directory: Path | None = None) -> set[str]:
+    """The paths of vLLM's torch file stores in ``directory`` (default: the temporary directory)."""
+    try:
+        with os.scandir(directory or tempfile.gettempdir()) as entries:
+            return {e.path for e in entries if e.name.startswith("vllm_dist_") and e.is_file(follow_symlinks=False)}
+    except OSError:
+        return set()
+
+
+def remove(paths: set[str]) -> list[str]:
+    """Unlink ``paths`` (file stores whose workers are gone); returns those removed."""
+    removed = []
+    for path in sorted(paths):
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except (FileNotFoundError, PermissionError):  # torch removed it, or another user's
+            pass
+    return removed
 
 
 def sweep(candidates: set[str]) -> tuple[list[str], set[str]]:

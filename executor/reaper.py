@@ -14,7 +14,8 @@ daemon exits. End of file without it means the daemon died: the reaper SIGKILLs 
 process of the last snapshot that still runs, and their children (an orphan's parent may
 already be gone), removes vLLM's ``/dev/shm`` segments created since the daemon started that no process maps
 any more and the daemon's temporary directories (``--temp-dir``: ``multiprocessing``'s, with the
-sockets of its fork server and Ray agent, and its runtime directory, with its event socket), and
+sockets of its fork server and Ray agent, and its runtime directory, with its event socket) and
+its control socket (``--control-socket``, unless a live process has bound that path again), and
 exits.
 
 The same ``reap`` serves the next daemon's start when the reaper itself was killed too
@@ -29,11 +30,12 @@ import os
 import select
 import shutil
 import signal
+import stat
 import sys
 import time
 from pathlib import Path
 
-from executor.procfs import owned_by_me, process_table, start_time, wall_clock  # noqa: F401 (re-exported)
+from executor.procfs import bound_unix_sockets, owned_by_me, process_table, start_time, wall_clock  # noqa: F401 (re-exported)
 from executor.shm import SHM_DIR, sweep, vllm_segments
 
 SNAPSHOT_S = 0.5
@@ -151,12 +153,13 @@ def read_pids(path: Path) -> set[Proc]:
         return set()
 
 
-def watch(daemon_pid: int, daemon_start: int, pids_file: Path | None, stream=None, temp_dirs: tuple[Path, ...] = ()) -> dict:
+def watch(daemon_pid: int, daemon_start: int, pids_file: Path | None, stream=None, temp_dirs: tuple[Path, ...] = (),
+          control_socket: str = "") -> dict:
     """Snapshot the daemon's tree until its pipe closes; reap if it closed without ``clean``.
     ``daemon_start`` is the daemon's start time (ticks) as the daemon read it: the shared
     memory swept is only what appeared since. ``temp_dirs``: the daemon's own temporary
     directories (``multiprocessing``'s and its runtime directory, which its exit removes),
-    removed after a reap."""
+    and ``control_socket``, its control socket's path: removed after a reap."""
     stream = stream or sys.stdin.buffer
     daemon_started = wall_clock(daemon_start)
     seen: set[Proc] = set()
@@ -194,7 +197,7 @@ def watch(daemon_pid: int, daemon_start: int, pids_file: Path | None, stream=Non
         pids_file.unlink(missing_ok=True)
     temp_removed = [str(d) for d in temp_dirs if remove_temp_dir(d)]
     return {"clean": False, "killed": killed, "shm_removed": removed, "temp_dirs_removed": temp_removed,
-            "took_s": round(time.monotonic() - started, 2)}
+            "control_socket_removed": remove_dead_socket(control_socket), "took_s": round(time.monotonic() - started, 2)}
 
 
 def remove_temp_dir(path: Path) -> bool:
@@ -210,6 +213,23 @@ def remove_temp_dir(path: Path) -> bool:
     return not path.exists()
 
 
+def remove_dead_socket(path: str) -> bool:
+    """A dead daemon's control socket (``/tmp`` unless systemd gave it a runtime directory): a
+    socket file of this user's that no live process has bound (the next daemon on the same
+    port binds the same path)."""
+    try:
+        st = os.lstat(path) if path else None
+    except OSError:
+        return False
+    if st is None or not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.getuid() or path in bound_unix_sockets():
+        return False
+    try:
+        os.unlink(path)
+    except OSError:
+        return False
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m executor.reaper")
     parser.add_argument("--pid", type=int, required=True, help="the daemon's pid")
@@ -217,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pids-file", type=Path, help="where to keep the snapshot of the daemon's processes")
     parser.add_argument("--temp-dir", type=Path, action="append", default=[],
                         help="a temporary directory of the daemon's, removed after a reap (repeatable)")
+    parser.add_argument("--control-socket", default="", help="the daemon's control socket, removed after a reap")
     args = parser.parse_args(argv)
     if os.getppid() != args.pid or start_time(args.pid) != args.start_time:
         print(json.dumps({"level": "error", "logger": "vllm_supervisor.reaper", "event": "not started by a live daemon",
@@ -226,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     # says "clean"; the reaper must not go first. SIGHUP is the daemon's reload.
     for signum in (signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)
-    result = watch(args.pid, args.start_time, args.pids_file, temp_dirs=tuple(args.temp_dir))
+    result = watch(args.pid, args.start_time, args.pids_file, temp_dirs=tuple(args.temp_dir),
+                   control_socket=args.control_socket)
     if not result["clean"]:
         record = {"time": time.time(), "level": "warning", "logger": "vllm_supervisor.reaper",
                   "event": "daemon died: its processes and shared memory reaped", "daemon_pid": args.pid, **result}

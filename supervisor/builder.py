@@ -57,6 +57,7 @@ class EngineBuilder:
         # until the old engine is collected (``sweep_sockets`` then)
         self._ipc_owned: dict[int, set[str]] = {}
         self._ipc_deferred: set[str] = set()
+        self._stores_owned: dict[int, set[str]] = {}  # each generation's torch file store (``mp``)
         self._sweeping = threading.Lock()  # the sockets' sweeps come from several threads
 
     @property
@@ -112,7 +113,7 @@ class EngineBuilder:
         namespace. Without standby workers, ``start_workers`` (``Standby.starter``) starts the
         build's own beside its engine core (``executor.engine.build_engine`` decides)."""
         from executor.engine import EngineSpec, build_engine, engine_cores_under
-        from executor.ipc import socket_files, sweep
+        from executor.ipc import socket_files, store_files, sweep
         from executor.shm import vllm_segments
         from executor.steps import StepClock
 
@@ -128,7 +129,7 @@ class EngineBuilder:
             self._building_number = number
             self._cores_at_build_start = engine_cores_under(os.getpid())
             shm_before = self._shm_before[number] = self._shm_at_build_start = vllm_segments()
-            ipc_before = socket_files()
+            ipc_before, stores_before = socket_files(), store_files()
             started = time.monotonic()
             log.info("building engine", engine_generation=number, instance_id=instance_id, replica=replica,
                      standby_workers=bool(standby.get("namespace")), forkserver=bool(standby.get("forkserver")))
@@ -146,6 +147,7 @@ class EngineBuilder:
                 self._shm_owned[number] = vllm_segments() - shm_before
             finally:
                 self._ipc_owned[number] = socket_files() - ipc_before  # a failed build's too
+                self._stores_owned[number] = store_files() - stores_before
                 self._shm_at_build_start = self._cores_at_build_start = self._building_number = None
             # the start-up hand-shake's socket is closed once the engine is up: its file goes now
             self._ipc_owned[number] = sweep(self._ipc_owned[number])[1]
@@ -217,9 +219,11 @@ class EngineBuilder:
 
     def cleanup_failed_build(self, number: int) -> None:
         """A build that raised may have left actors and rings; unmapped rings only are removed."""
+        from executor.ipc import remove
         from executor.shm import sweep
 
         self.ray.kill_actors(self.instance_id(number))
+        remove(self._stores_owned.pop(number, set()))  # its file store: nothing meets through it any more
         self._shm_owned.pop(number, None)
         self._sweep_sockets(self._ipc_owned.pop(number, set()))  # those still bound: by a later sweep
         rings = self._rings_of(self._shm_before.pop(number, None))
@@ -241,6 +245,7 @@ class EngineBuilder:
 
     def teardown(self, gen: Generation) -> None:
         from executor.engine import engine_core_pids, engine_worker_pids, kill_pids, shutdown_engine
+        from executor.ipc import remove
         from executor.procfs import running
         from executor.shm import sweep
 
@@ -263,6 +268,8 @@ class EngineBuilder:
         # dead (its exit status came through the server) and is still running.
         stray_cores = kill_pids([p for p in cores if running(p)])
         killed = self.ray.kill_actors(gen.instance_id) if self.ray.cluster else kill_pids(local_workers)
+        # its workers are killed: their file store (``mp``) has no user left to remove it
+        stores = remove(self._stores_owned.pop(gen.number, set()))
         # Killed workers may take a moment to exit and unmap their rings. Rings that other
         # generations (replicas) made since this one's build began are theirs.
         self._shm_owned.pop(gen.number, None)
@@ -287,7 +294,7 @@ class EngineBuilder:
         rings, sockets = self._sweep_deferred(more_sockets=self._ipc_owned.pop(gen.number, set()))
         removed += rings
         log.info("engine torn down", engine_generation=gen.number, leftover_actors_killed=killed, failed_cores_killed=failed_cores,
-                 stray_engine_cores=stray_cores, shm_removed=removed, sockets_removed=len(sockets),
+                 stray_engine_cores=stray_cores, shm_removed=removed, sockets_removed=len(sockets), stores_removed=len(stores),
                  took_s=round(time.monotonic() - started, 2))
 
     def _sweep_sockets(self, more: set[str] = frozenset()) -> list[str]:

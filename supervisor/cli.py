@@ -272,7 +272,7 @@ def _crash_only_start(settings: Settings, engine_args: Any, sup: Any, control: s
             "the previous daemon on this port did not stop cleanly: cleaned what it left",
             predecessor_pid=pred.pid, predecessor_id=pred.daemon_id, **cleaned,
             ray_leftovers="removed after Ray connects" if same_cluster else "none (its private cluster went with it)")
-    record.start_reaper()
+    record.start_reaper(control)
     try:
         record.write(sup.daemon_id, settings.ray.address, control)
     except OSError as exc:  # e.g. a read-only data_dir with a real model: the reaper still runs

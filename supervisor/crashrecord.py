@@ -152,12 +152,13 @@ class RunRecord:
             json.dump(data, fh)
         os.replace(tmp, self.path)
 
-    def start_reaper(self) -> None:
+    def start_reaper(self, control_socket: str = "") -> None:
         """The reaper's stdin is a pipe only this process holds: its end of file is our death."""
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.reaper = subprocess.Popen(
             [sys.executable, "-m", "executor.reaper", "--pid", str(os.getpid()), "--start-time", str(start_time(os.getpid())),
-             "--pids-file", str(pids_path(self.path)), *(f"--temp-dir={d}" for d in self.temp_dirs)],
+             "--pids-file", str(pids_path(self.path)), *(f"--temp-dir={d}" for d in self.temp_dirs),
+             *([f"--control-socket={control_socket}"] if control_socket else [])],
             stdin=subprocess.PIPE, cwd=str(Path(__file__).resolve().parent.parent), close_fds=True,
         )
         self._pipe = self.reaper.stdin

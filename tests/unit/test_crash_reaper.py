@@ -29,8 +29,11 @@ STAND_IN = textwrap.dedent("""
     import multiprocessing.util, socket, tempfile
     runtime_dir = tempfile.mkdtemp(prefix="vllm-supervisor-")  # as the daemon's own, with its event socket
     record = RunRecord(Path(sys.argv[1]), (Path(runtime_dir),))
-    record.start_reaper()
-    record.write("vsup-test", "", "")
+    control = socket.socket(socket.AF_UNIX)  # its control socket, in the temporary directory itself
+    control.bind(sys.argv[4])
+    control.listen()
+    record.start_reaper(sys.argv[4])
+    record.write("vsup-test", "", sys.argv[4])
     # a child with its own child, and one that renames itself (no environment marker to find)
     child = subprocess.Popen([sys.executable, "-c", "import subprocess, time; subprocess.Popen(['sleep', '300']); time.sleep(300)"])
     subprocess.Popen(["sleep", "301"])
@@ -68,7 +71,7 @@ def wait_for(predicate, timeout_s: float = 15.0, what: str = ""):
 def start_stand_in(tmp_path: Path, mode: str):
     segment = f"psm_reapertest{uuid.uuid4().hex[:8]}"
     record = tmp_path / "run" / "daemon-test-1.json"
-    proc = subprocess.Popen([sys.executable, "-c", STAND_IN, str(record), segment, mode], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-c", STAND_IN, str(record), segment, mode, str(tmp_path / "control.sock")], cwd=ROOT,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     up, *temp_dirs = proc.stdout.readline().split()
     assert up == b"up"
@@ -88,6 +91,7 @@ def test_sigkill_of_the_daemon_takes_its_process_tree_and_shared_memory(tmp_path
     wait_for(lambda: all(start_time(pid) != st for pid, st in tree), what="the tree to be reaped")
     wait_for(lambda: not Path("/dev/shm", segment).exists(), what="the segment to be removed")
     wait_for(lambda: not any(d.exists() for d in temp_dirs), what="the daemon's temporary directories to be removed")
+    wait_for(lambda: not (tmp_path / "control.sock").exists(), what="its control socket to be removed")
     wait_for(lambda: not crashrecord.pids_path(record, proc.pid).exists(), what="the pids file to go")
     # the record stays: the next daemon on this port sees that its predecessor crashed
     assert crashrecord.read_predecessor(record).pid == proc.pid
@@ -135,6 +139,7 @@ def test_a_clean_stop_leaves_everything_to_the_daemon(tmp_path):
         alive = [pid for pid, st in tree if start_time(pid) == st]
         assert len(alive) == 3  # the reaper exited; the daemon's own children untouched
         assert Path("/dev/shm", segment).exists() and all(d.exists() for d in temp_dirs)
+        assert (tmp_path / "control.sock").is_socket()  # the daemon's own stop removes it
     finally:
         proc.kill()
         reap(tree)
@@ -153,11 +158,7 @@ def test_the_next_start_reaps_what_a_dead_reaper_could_not(tmp_path):
     os.kill(reaper, signal.SIGKILL)
     proc.kill()
     proc.wait()
-    sock_path = tmp_path / "control.sock"
-    with socket.socket(socket.AF_UNIX) as s:
-        s.bind(str(sock_path))  # bound, never listening again: stale
-    data = json.loads(record.read_text())
-    record.write_text(json.dumps(dict(data, control_socket=str(sock_path))))
+    assert (tmp_path / "control.sock").is_socket()  # its control socket, bound by no one now: stale
     os.utime(Path("/dev/shm", segment), (time.time() - 60, time.time() - 60))
     pred = crashrecord.read_predecessor(record)
     assert pred is not None and pred.daemon_id == "vsup-test"
@@ -165,6 +166,7 @@ def test_the_next_start_reaps_what_a_dead_reaper_could_not(tmp_path):
     try:
         assert len(cleaned["processes_killed"]) == 3
         assert segment in cleaned["shm_removed"] and cleaned["control_socket_removed"]
+        assert not (tmp_path / "control.sock").exists()
         assert cleaned["temp_dirs_removed"] == [str(d) for d in temp_dirs] and not any(d.exists() for d in temp_dirs)
         wait_for(lambda: all(start_time(pid) != st for pid, st in tree), what="the tree to be reaped")
     finally:
@@ -202,3 +204,20 @@ def test_reap_never_kills_a_reused_pid():
 
 def test_process_table_sees_this_process():
     assert os.getpid() in process_table()
+
+
+def test_a_dead_daemons_control_socket_goes_unless_bound_again(tmp_path):
+    """The next daemon on the same port binds the same path: the reaper of the one before
+    leaves that alone, and any file that is not a socket."""
+    from executor.reaper import remove_dead_socket
+
+    with socket.socket(socket.AF_UNIX) as dead:
+        dead.bind(str(tmp_path / "dead.sock"))
+    (tmp_path / "plain").write_text("not a socket")
+    with socket.socket(socket.AF_UNIX) as live:
+        live.bind(str(tmp_path / "live.sock"))
+        live.listen()
+        assert remove_dead_socket(str(tmp_path / "dead.sock"))
+        assert not remove_dead_socket(str(tmp_path / "live.sock"))
+        assert not remove_dead_socket(str(tmp_path / "plain")) and not remove_dead_socket("")
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["live.sock", "plain"]

@@ -2,7 +2,8 @@
 (``executor.ipc``): a generation's are those its build made, and only those no live process
 has bound are removed, at its teardown, after a failed build, or later once unbound. Real
 listeners in child processes stand in for the engine core and workers: a killed one leaves
-its file, as a killed engine core does."""
+its file, as a killed engine core does. And the ``mp`` executor's torch file store, which
+a killed worker leaves in the temporary directory."""
 
 from __future__ import annotations
 
@@ -128,3 +129,38 @@ def test_a_teardown_removes_its_generations_sockets_and_later_the_one_still_boun
     assert b.sweep_sockets(wait_s=5) == [str(rpc_dir / "worker")]  # after the old engine's release
     assert sorted(p.name for p in rpc_dir.iterdir()) == ["other-generation"]
     assert serving.poll() is None and os.path.exists(rpc_dir / "other-generation")
+
+
+def test_a_teardown_removes_its_generations_file_store_and_no_other(rpc_dir, monkeypatch):
+    """The ``mp`` executor's workers meet through ``vllm_dist_<hex>`` in the temporary
+    directory; torch removes it with its last user, so killed workers leave it. The build's
+    store goes at its teardown, and at a failed build's clean-up; one there before stays."""
+    import tempfile
+
+    from torch.distributed import FileStore
+
+    monkeypatch.setattr(tempfile, "tempdir", str(rpc_dir))
+    (rpc_dir / "vllm_dist_earlier").write_bytes(b"")  # another server's, running beside this one
+    stores = []
+
+    def build(spec):  # as the workers' rendezvous does, left open as by a worker killed later
+        stores.append(FileStore(os.path.join(tempfile.gettempdir(), f"vllm_dist_{len(stores)}"), 2))
+        stores[-1].set("rank0", "up")
+        if len(stores) == 2:
+            raise RuntimeError("a worker died during start-up")
+        return object()
+
+    monkeypatch.setattr(engine_mod, "build_engine", build)
+    monkeypatch.setattr(EngineBuilder, "local_procs", lambda self, engine, instance_id: [])
+    monkeypatch.setattr(engine_mod, "engine_core_pids", lambda engine: [])
+    monkeypatch.setattr(engine_mod, "engine_worker_pids", lambda engine: [])
+    monkeypatch.setattr(engine_mod, "shutdown_engine", lambda engine, timeout_s: None)
+    b = builder()
+    gen = b.build(1)
+    assert (rpc_dir / "vllm_dist_0").exists()
+    b.teardown(gen)
+    assert not (rpc_dir / "vllm_dist_0").exists()
+    with pytest.raises(RuntimeError):
+        b.build(2)
+    b.cleanup_failed_build(2)
+    assert sorted(p.name for p in rpc_dir.iterdir() if p.name.startswith("vllm_dist_")) == ["vllm_dist_earlier"]

@@ -24,7 +24,7 @@ def orphan() -> int:
 
 def test_an_orphan_a_child_and_a_new_segment_are_found_and_an_allowed_tree_is_not():
     leaks = Leaks()
-    assert leaks.new() == {"processes": {}, "shm": [], "sockets": []}
+    assert leaks.new() == {"processes": {}, "shm": [], "sockets": [], "stores": []}
     lost = orphan()
     child = subprocess.Popen(SLEEPER)
     kept = subprocess.Popen(SLEEPER)
@@ -83,17 +83,33 @@ def test_a_socket_left_by_a_killed_process_is_found_and_a_bound_one_is_not():
         shutil.rmtree(where, ignore_errors=True)
 
 
-def test_a_dead_socket_in_the_temporary_directory_itself_counts_only_when_asked(tmp_path, monkeypatch):
-    """vLLM's ZeroMQ sockets go in the temporary directory itself: the smoke counts them (the
-    daemon leaves none); the tests that also run `vllm serve` (which leaves 7) do not."""
+def test_a_dead_socket_in_the_temporary_directory_itself_counts_unless_told_not_to(tmp_path, monkeypatch):
+    """vLLM's ZeroMQ sockets go in the temporary directory itself unless told otherwise: they
+    count (the daemon leaves none; `vllm serve`, which leaves 7, gets a directory of its own)."""
     import socket
     import tempfile
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    everywhere, below = Leaks(top_sockets=True), Leaks()
+    everywhere, below = Leaks(), Leaks(top_sockets=False)
     with socket.socket(socket.AF_UNIX) as s:
         s.bind(str(tmp_path / "0b5a4526-ce9e-43e6-9c86-e6bd751e83cb"))  # closed unbound: as a killed process's
     assert everywhere.new()["sockets"] == [str(tmp_path / "0b5a4526-ce9e-43e6-9c86-e6bd751e83cb")]
     assert below.new()["sockets"] == []
     everywhere.kill_new()
     assert everywhere.new()["sockets"] == [] and tmp_path.exists()
+
+
+def test_a_new_file_store_in_the_temporary_directory_is_a_leftover(tmp_path, monkeypatch):
+    """The ``mp`` executor's rendezvous file (torch removes it with its last user, unless that
+    user was killed); one there before is not new."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    (tmp_path / "vllm_dist_old").write_bytes(b"\0")
+    leaks = Leaks()
+    (tmp_path / "vllm_dist_0c7e").write_bytes(b"\0")
+    (tmp_path / "other_file").write_bytes(b"\0")
+    assert leaks.new()["stores"] == [str(tmp_path / "vllm_dist_0c7e")]
+    assert leaks.wait_clean(settle_s=0) != {}
+    leaks.kill_new()
+    assert leaks.new()["stores"] == [] and sorted(p.name for p in tmp_path.iterdir()) == ["other_file", "vllm_dist_old"]
