@@ -87,13 +87,11 @@ def temp_sockets(root: str | None = None, top: bool = False) -> set[str]:
     return out
 
 
-def temp_stores(root: str | None = None) -> set[str]:
+def temp_stores() -> set[str]:
     """vLLM's torch file stores (``vllm_dist_<hex>``) in the temporary directory."""
-    try:
-        with os.scandir(root or tempfile.gettempdir()) as entries:
-            return {e.path for e in entries if e.name.startswith("vllm_dist_") and e.is_file(follow_symlinks=False)}
-    except OSError:
-        return set()
+    from executor.ipc import store_files
+
+    return store_files()
 
 
 def bound_sockets(table: dict[int, dict]) -> set[str]:
