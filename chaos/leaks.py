@@ -206,8 +206,11 @@ class Leaks:
             time.sleep(0.5)
 
     def kill_new(self, allow: Callable[[], Iterable[int]] = lambda: ()) -> None:
-        """Last resort after a failure: SIGKILL what is new, unlink new segments no process maps
-        and new sockets no process has bound (and their directory, when that leaves it empty)."""
+        """Last resort after a failure: SIGKILL what is new, unlink new segments no process maps,
+        new file stores, and new sockets no process has bound (and their directory, when that
+        leaves it empty)."""
+        from executor.ipc import remove
+
         left = self.new(allow)
         for pid in left["processes"]:
             try:
@@ -222,11 +225,7 @@ class Leaks:
                     (SHM / name).unlink()
                 except OSError:
                     pass
-        for path in left["stores"]:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+        remove(set(left["stores"]))
         table = processes()
         for path in sorted((temp_sockets(top=self.top) - self.sockets_before) - bound_sockets(table)):
             try:

@@ -49,13 +49,14 @@ def store_files(directory: Path | None = None) -> set[str]:
 
 
 def remove(paths: set[str]) -> list[str]:
-    """Unlink ``paths`` (file stores whose workers are gone); returns those removed."""
+    """Unlink ``paths`` (file stores whose workers are gone, sockets nothing binds); returns
+    those removed."""
     removed = []
     for path in sorted(paths):
         try:
             os.unlink(path)
             removed.append(path)
-        except (FileNotFoundError, PermissionError):  # torch removed it, or another user's
+        except (FileNotFoundError, PermissionError):  # gone, or another user's (a sticky /tmp)
             pass
     return removed
 
@@ -71,11 +72,4 @@ def sweep(candidates: set[str]) -> tuple[list[str], set[str]]:
     # the files first, then who binds them: a file listed before the read is in it while bound
     present = {path for path in candidates if os.path.lexists(path)}
     bound = present & bound_unix_sockets()
-    removed = []
-    for path in sorted(present - bound):
-        try:
-            os.unlink(path)
-            removed.append(path)
-        except (FileNotFoundError, PermissionError):  # gone, or another user's (a sticky /tmp)
-            pass
-    return removed, bound
+    return remove(present - bound), bound

@@ -35,7 +35,8 @@ import sys
 import time
 from pathlib import Path
 
-from executor.procfs import bound_unix_sockets, owned_by_me, process_table, start_time, wall_clock  # noqa: F401 (re-exported)
+from executor import ipc
+from executor.procfs import owned_by_me, process_table, start_time, wall_clock  # noqa: F401 (re-exported)
 from executor.shm import SHM_DIR, sweep, vllm_segments
 
 SNAPSHOT_S = 0.5
@@ -221,13 +222,9 @@ def remove_dead_socket(path: str) -> bool:
         st = os.lstat(path) if path else None
     except OSError:
         return False
-    if st is None or not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.getuid() or path in bound_unix_sockets():
+    if st is None or not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.getuid():
         return False
-    try:
-        os.unlink(path)
-    except OSError:
-        return False
-    return True
+    return bool(ipc.sweep({path})[0])
 
 
 def main(argv: list[str] | None = None) -> int:
