@@ -7,11 +7,16 @@ text, finish reason and usage equal the fault-free run, none fails, the killed r
 were continued (``requests.continued``) at once on the other replica (largest gap per stream
 well below a rebuild), the daemon stays READY and new requests keep being served, with the
 fault-free text, while the killed replica rebuilds in the background, in the warm standby's
-process (one standby for both replicas: proved by pid). Then both at once."""
+process (one standby for both replicas: proved by pid). Then both at once.
+
+The daemon runs with ``VLLM_CPU_OMP_THREADS_BIND=0|1``, as an operator exports it for ``vllm serve``
+on a CPU host: each replica's worker on its own core, as vLLM binds each data-parallel rank; the one
+warm standby, made with one replica's core, is bound again to the core of the replica it serves."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 
@@ -32,6 +37,8 @@ MAX_GAP_S = 5.0
 FRESH = dict(n=4, max_tokens=32, offset=3)  # the requests sent while a replica rebuilds
 # vLLM's dev endpoints (/pause, /resume, /is_paused, /reset_prefix_cache): an operator's setting
 DEV_MODE_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
+# a core per replica, as an operator binds ``vllm serve --data-parallel-size 2`` on a CPU host
+BIND_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 
 
 def assert_all_exact(records, ref) -> None:
@@ -86,7 +93,7 @@ def two(tmp_path_factory, ray_head):
               "supervisor": {**FAST_PROBES, "max_restarts": 20}}
     # (the test hooks and the tool-call parser: for test_every_kind_moves_between_replicas_exactly)
     with Daemon(tmp_path_factory.mktemp("replicas"), config,
-                env={**OPERATOR_ENV, **DEV_MODE_ENV, "VLLM_SUPERVISOR_TEST_HOOKS": "1"},
+                env={**OPERATOR_ENV, **DEV_MODE_ENV, **BIND_ENV, "VLLM_SUPERVISOR_TEST_HOOKS": "1"},
                 args=("--data-parallel-size", "2", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")).start() as d:
         d.wait_ready()
         assert len(d.wait_replicas_serving()) == 2
@@ -135,6 +142,11 @@ def workers_by_replica(daemon) -> dict[int, dict]:
     return {w["replica"]: w for w in daemon.full_status()["workers"] if w["rank"] == 0}
 
 
+def cores(pid: int) -> list[int]:
+    """The cores ``pid``'s main thread may run on."""
+    return sorted(os.sched_getaffinity(pid))
+
+
 def test_engine_state_calls_reach_every_replica(two):
     """``/pause`` (mode keep) holds the requests on both replicas, ``/resume`` releases them
     all with the fault-free text; ``/reset_prefix_cache`` answers for both."""
@@ -180,6 +192,33 @@ def test_engine_state_calls_reach_every_replica(two):
     summary = compare(records, fresh_ref)
     assert summary["failed"] == 0 and summary["mismatched"] == 0, summary
     assert daemon.status()["recoveries"] == [] and daemon.status()["state"] == "ready"  # the pause was not a hang
+
+
+def test_a_list_per_replica_binds_each_replica_and_the_standby_follows_the_one_it_serves(two, ray_head):
+    """``VLLM_CPU_OMP_THREADS_BIND=0|1``: each replica's worker runs on its own core (before, vLLM
+    read each replica as rank 0 and bound every worker to core 0). The one warm standby is made
+    with one replica's core; ``ray.kill`` of the *other* replica's worker under streams: the
+    standby is adopted anyway, bound again to the killed replica's core, and what the clients
+    read equals the fault-free run."""
+    daemon, ref, _ = two
+    before = {r["replica"]: r["generation"] for r in daemon.wait_replicas_serving()}
+    workers = workers_by_replica(daemon)
+    assert [cores(workers[i]["pid"]) for i in (0, 1)] == [[0], [1]], workers
+    standby_pid = daemon.wait_standby("ready")["standby"]["workers"][0]["pid"]
+    made_for = cores(standby_pid)
+    assert made_for in ([0], [1]), made_for
+    index = 1 - made_for[0]  # the replica whose core the standby was not made with
+    records, info = asyncio.run(run_with_fault(daemon.base_url, 8, MAX_TOKENS, lambda: kill_replica(daemon, ray_head, index)))
+    assert_all_exact(records, ref)
+    daemon.wait_replicas_serving({index: before[index]})
+    rec = daemon.status()["recoveries"][-1]
+    assert rec["replica"] == index and rec["ok"] and rec["standby"] == {"result": "adopted", "adopted_ranks": [0]}, rec
+    after = workers_by_replica(daemon)
+    assert after[index]["pid"] == standby_pid, (standby_pid, after)
+    assert cores(standby_pid) == [index] and cores(after[1 - index]["pid"]) == [1 - index]
+    assert_all_exact(asyncio.run(run_with_fault(daemon.base_url, 8, MAX_TOKENS))[0], ref)
+    print(f"\nreplica {index} killed, the standby made with core {made_for[0]} adopted on core {index}: "
+          f"8 streams exact; rebuilt in {rec['total_s']:.1f} s")
 
 
 @pytest.mark.parametrize("index,via", [(0, "ray.kill"), pytest.param(1, "ctl kill-worker", marks=pytest.mark.extended)])
