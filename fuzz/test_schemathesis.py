@@ -1,14 +1,37 @@
 """schemathesis against the real daemon's OpenAPI schema (``make chaos``; not in ``make test``:
-a fuzz run keeps finding new 500s inside vLLM's own front, see docs/security.md, "Tested"). Shares the daemon
-fixture of ``tests/integration/test_fuzz.py``."""
+a fuzz run keeps finding new 500s inside vLLM's own front, see docs/security.md, "Tested"), on a daemon of
+its own; the hand-written hostile requests of ``tests/integration/hostile.py`` run in ``make test``."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import subprocess
+from pathlib import Path
 
-from chaos.harness import BIN
-from tests.integration.test_fuzz import FUZZ_S, ROOT, daemon, still_serving_exactly  # noqa: F401 (fixture)
+import pytest
+
+from chaos.harness import BIN, Daemon
+from chaos.load import as_reference, run_with_fault
+from tests.integration.hostile import STREAMS, TOKENS, still_serving_exactly
+
+ROOT = Path(__file__).resolve().parents[1]
+FUZZ_S = int(os.environ.get("VLLM_SUPERVISOR_FUZZ_S", "150"))
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    # No warm standby: what is fuzzed is the request path (the front, vLLM's app, the engine),
+    # which the standby is not on; its build would only compete with the requests for the cores.
+    config = {"server": {"max_body_bytes": 65536}, "supervisor": {"standby": "none"}}
+    with Daemon(tmp_path_factory.mktemp("fuzz"), config).start() as d:
+        d.wait_ready()
+        ref = as_reference(asyncio.run(run_with_fault(d.base_url, STREAMS, TOKENS))[0])
+        yield d, ref
+        code, _ = d.stop()
+        assert code == 0, d.tail()
+        d.assert_nothing_left()
 
 
 def test_schemathesis_finds_no_server_error(daemon, tmp_path):

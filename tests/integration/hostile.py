@@ -1,12 +1,7 @@
-"""The API under generated and hostile input, on the real daemon (demo model, Ray, vLLM).
+"""The API under hostile input, on the real daemon (demo model, Ray, vLLM): the tests run on
+``tests/integration/test_serving.py``'s daemon (the defaults a user gets, with a warm standby), which
+imports them, so they run first there and cost no daemon start of their own.
 
-* ``schemathesis`` (``fuzz/test_schemathesis.py``, run by ``make chaos``, not by ``make test``:
-  each run finds new vLLM crashes, see docs/security.md, "Tested") drives the daemon's own OpenAPI schema (every operation vLLM's app
-  serves; valid and invalid data, its coverage and fuzzing phases) for ``FUZZ_S`` seconds
-  (``VLLM_SUPERVISOR_FUZZ_S``: 150 in ``make test``, longer in ``make chaos``): no response
-  may be a 5xx. One exception, configured per operation in ``fuzz/schemathesis.toml``:
-  ``/v1/systemone``'s 501 "the model does not support the structured decision API", which
-  is vLLM's deliberate answer for a model without that head, as ``vllm serve`` gives it.
 * Hand-written hostile requests: huge, negative and non-finite numbers, wrong types, invalid
   UTF-8, empty and oversized bodies, unknown models, prompts longer than the context, a
   client that sends half a body and vanishes, one that sends it slowly: each gets a 4xx
@@ -14,17 +9,21 @@
 * Afterwards the daemon still serves the fault-free reference text, on the generation it
   started with (no recovery, no restart: a hostile request never costs an engine), and its
   log holds no unhandled exception (no traceback, no error-level line naming an exception).
+* ``schemathesis`` (``fuzz/test_schemathesis.py``, run by ``make chaos``, not by ``make test``:
+  each run finds new vLLM crashes, see docs/security.md, "Tested") drives the daemon's own OpenAPI
+  schema for ``FUZZ_S`` seconds on a daemon of its own; it uses ``still_serving_exactly`` from here.
+
+Not collected by itself (no ``test_`` prefix): ``pytest tests/integration/test_serving.py -k hostile``
+runs these alone.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import socket
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -32,27 +31,17 @@ import pytest
 from chaos.harness import Daemon
 from chaos.load import as_reference, compare, run_with_fault
 
-pytestmark = pytest.mark.integration
-
-ROOT = Path(__file__).resolve().parents[2]
-FUZZ_S = int(os.environ.get("VLLM_SUPERVISOR_FUZZ_S", "150"))
 MODEL = "demo-tiny-llama"
 STREAMS, TOKENS = 4, 64
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
-    # No warm standby: what is fuzzed is the request path (the front, vLLM's app, the engine),
-    # which the standby is not on; its build would only compete with the requests for the cores.
-    config = {"server": {"max_body_bytes": 65536}, "supervisor": {"standby": "none"}}
-    with Daemon(tmp_path_factory.mktemp("fuzz"), config).start() as d:
-        d.wait_ready()
-        ref = as_reference(asyncio.run(run_with_fault(d.base_url, STREAMS, TOKENS))[0])
-        d.before_hostile = d.status()  # the generation and restarts the hostile requests must not change
-        yield d, ref
-        code, _ = d.stop()
-        assert code == 0, d.tail()
-        d.assert_nothing_left()
+def hostile_ref(daemon: Daemon) -> dict:
+    """The fault-free reference read before any hostile request, and the status they must not
+    change (its generation, restarts and recoveries), kept on the daemon."""
+    ref = as_reference(asyncio.run(run_with_fault(daemon.base_url, STREAMS, TOKENS))[0])
+    daemon.before_hostile = daemon.status()
+    return ref
 
 
 def still_serving_exactly(daemon: Daemon, ref: dict) -> None:
@@ -102,7 +91,7 @@ HOSTILE: list[tuple[str, str, bytes]] = [
     ("null body", "/v1/completions", b"null"),
     ("array body", "/v1/chat/completions", b"[]"),
     ("truncated JSON", "/v1/completions", b'{"model": "demo-tiny-llama", "prompt": "hi'),
-    ("oversized body", "/v1/completions", json.dumps({"model": MODEL, "prompt": "x" * 100_000}).encode()),
+    ("oversized body", "/v1/completions", json.dumps({"model": MODEL, "prompt": "x" * (1 << 20)}).encode()),  # > 1 MiB
     ("deeply nested JSON", "/v1/completions", b'{"model": "demo-tiny-llama", "prompt": ' + b"[" * 20_000 + b"]" * 20_000 + b"}"),
     ("responses: assistant message without content", "/v1/responses", json.dumps(
         {"model": MODEL, "input": [{"type": "message", "role": "assistant", "content": []}]}).encode()),
@@ -115,16 +104,16 @@ HOSTILE: list[tuple[str, str, bytes]] = [
 
 
 @pytest.mark.parametrize("name,path,body", HOSTILE, ids=[h[0] for h in HOSTILE])
-def test_hostile_request_gets_a_4xx_with_a_message(daemon, name, path, body):
-    d, _ = daemon
+def test_hostile_request_gets_a_4xx_with_a_message(daemon, hostile_ref, name, path, body):
+    d = daemon
     r = _post(d, path, body)
     assert 400 <= r.status_code < 500, (name, r.status_code, r.text[:500])
     assert (r.status_code == 413) == (name == "oversized body"), (name, r.status_code)  # reached vLLM, not the size limit
     assert _message(r), (name, r.text[:500])
 
 
-def test_a_client_that_vanishes_or_dawdles_costs_nothing(daemon):
-    d, ref = daemon
+def test_a_client_that_vanishes_or_dawdles_costs_nothing(daemon, hostile_ref):
+    d, ref = daemon, hostile_ref
     body = json.dumps({"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0}).encode()
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n\r\n").encode()
@@ -155,11 +144,11 @@ def unhandled_exceptions(text: str) -> list[str]:
             if UNHANDLED.search(line) or (ERROR_LEVEL.search(line) and "exception" in line.lower())]
 
 
-def test_no_recovery_and_no_unhandled_exception_after_the_hostile_requests(daemon):
+def test_no_recovery_and_no_unhandled_exception_after_the_hostile_requests(daemon, hostile_ref):
     """Runs after every hostile request above: none of them cost a recovery or a restart (the
     same generation serves, no restart counted, none recorded), and the daemon's log (the
     daemon's own lines, vLLM's and Ray's) holds no unhandled exception."""
-    d, ref = daemon
+    d, ref = daemon, hostile_ref
     before, now = d.before_hostile, d.status()
     assert now["restarts"] == before["restarts"] == {}, f"a hostile request cost a restart: {now['restarts']}"
     assert now["recoveries"] == before["recoveries"] == [], f"a hostile request cost a recovery: {now['recoveries']}"
