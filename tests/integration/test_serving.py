@@ -92,6 +92,20 @@ def client(daemon):
     return openai.OpenAI(base_url=daemon.base_url + "/v1", api_key="unused", max_retries=0)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def vllm_serve(daemon, tmp_path_factory):
+    """The plain ``vllm serve`` that ``test_same_answers_as_vllm_serve`` compares with (the same
+    model and flags), started as soon as the daemon serves: its cold start (about a minute on 2
+    cores) runs beside this module's lighter tests instead of adding to the suite's time. Stopped
+    before the daemon's own leak check."""
+    from bench.common import VllmServe
+
+    server = VllmServe(tmp_path_factory.mktemp("vllm-serve"), None, max_model_len=256,
+                       extra=("--enable-auto-tool-choice", "--tool-call-parser", "hermes")).start()
+    yield server
+    server.stop()
+
+
 def test_models_lists_the_demo_model(client):
     models = client.models.list()
     assert [m.id for m in models.data] == ["demo-tiny-llama"]
@@ -301,39 +315,6 @@ CONTINUATION_KINDS = [
 ]
 
 
-def drop_in_requests() -> list[tuple[str, str, dict]]:
-    """The requests ``test_same_answers_as_vllm_serve`` sends (``httpx.request`` keywords):
-    the valid and invalid JSON ones, every malformed body as raw bytes (not JSON, invalid
-    UTF-8, empty, …), the streamed ones and every kind a recovery must continue."""
-    as_json = [(m, p, {"json": b}) for m, p, b in FEATURE_REQUESTS[4:] + STREAMED_REQUESTS + CONTINUATION_KINDS]
-    raw = [("POST", p, {"content": b, "headers": {"content-type": "application/json"}}) for p, b, _s, _f in MALFORMED]
-    return as_json + raw
-
-
-def test_same_answers_as_vllm_serve(daemon, tmp_path):
-    """A drop-in: the same requests (valid and invalid, bodies that are not JSON, streamed)
-    against a plain ``vllm serve`` of the same model and flags get the same status, the same
-    error body (type, code, param, message) and, greedy, the same text, finish reasons,
-    logprobs, tool calls and usage, streamed or not. The README states how many."""
-    from bench.common import plain_vllm_serve
-
-    requests = drop_in_requests()
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    assert f"sends the same {len(requests)} requests" in readme, len(requests)
-    with plain_vllm_serve(tmp_path, "--enable-auto-tool-choice", "--tool-call-parser", "hermes") as ref:
-        theirs = [essence(p, ref.request(m, p, **kw)) for m, p, kw in requests]
-    ours = [essence(p, daemon.request(m, p, **kw)) for m, p, kw in requests]
-    diff = [(i, requests[i][1], str(requests[i][2])[:80], a, b) for i, (a, b) in enumerate(zip(ours, theirs)) if a != b]
-    assert not diff, diff
-    streamed = [o for o in ours if isinstance(o, tuple) and o[0] == "stream"]
-    n_streamed = len(STREAMED_REQUESTS) + sum(bool(b.get("stream")) for _m, _p, b in CONTINUATION_KINDS)
-    assert len(streamed) == n_streamed and all(o[1] == 200 and o[-1] for o in streamed), streamed
-    kinds = ours[len(requests) - len(MALFORMED) - len(CONTINUATION_KINDS):len(requests) - len(MALFORMED)]
-    assert all(k[1] == 200 if k[0] == "stream" else k[0] and not isinstance(k[0], int) for k in kinds), kinds
-    errors = [o for o in ours if isinstance(o, tuple) and isinstance(o[0], int) and o[0] >= 400]
-    assert len(errors) >= len(MALFORMED) and all(len(o) == 6 and o[-1] for o in errors), errors  # vLLM's error bodies
-
-
 BAD_FIELDS = [  # (field, value): vllm serve answers 400 to each; so must we, naming the field
     ("temperature", -1), ("top_p", 2), ("top_p", 0), ("top_k", -5), ("min_p", 2), ("repetition_penalty", 0),
     ("presence_penalty", 5), ("frequency_penalty", -5), ("max_tokens", 0), ("min_tokens", -1), ("n", 0),
@@ -411,6 +392,40 @@ def test_vllm_bench_serve_has_no_failed_requests(daemon, tmp_path):
     assert saved["failed"] == 0 and saved["total_output_tokens"] == 8 * 16
 
 
+def drop_in_requests() -> list[tuple[str, str, dict]]:
+    """The requests ``test_same_answers_as_vllm_serve`` sends (``httpx.request`` keywords):
+    the valid and invalid JSON ones, every malformed body as raw bytes (not JSON, invalid
+    UTF-8, empty, …), the streamed ones and every kind a recovery must continue."""
+    as_json = [(m, p, {"json": b}) for m, p, b in FEATURE_REQUESTS[4:] + STREAMED_REQUESTS + CONTINUATION_KINDS]
+    raw = [("POST", p, {"content": b, "headers": {"content-type": "application/json"}}) for p, b, _s, _f in MALFORMED]
+    return as_json + raw
+
+
+def test_same_answers_as_vllm_serve(daemon, vllm_serve):
+    """A drop-in: the same requests (valid and invalid, bodies that are not JSON, streamed)
+    against a plain ``vllm serve`` of the same model and flags get the same status, the same
+    error body (type, code, param, message) and, greedy, the same text, finish reasons,
+    logprobs, tool calls and usage, streamed or not. The README states how many."""
+    requests = drop_in_requests()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert f"sends the same {len(requests)} requests" in readme, len(requests)
+    vllm_serve.wait_ready()
+    try:
+        theirs = [essence(p, vllm_serve.request(m, p, **kw)) for m, p, kw in requests]
+    finally:
+        vllm_serve.stop()
+    ours = [essence(p, daemon.request(m, p, **kw)) for m, p, kw in requests]
+    diff = [(i, requests[i][1], str(requests[i][2])[:80], a, b) for i, (a, b) in enumerate(zip(ours, theirs)) if a != b]
+    assert not diff, diff
+    streamed = [o for o in ours if isinstance(o, tuple) and o[0] == "stream"]
+    n_streamed = len(STREAMED_REQUESTS) + sum(bool(b.get("stream")) for _m, _p, b in CONTINUATION_KINDS)
+    assert len(streamed) == n_streamed and all(o[1] == 200 and o[-1] for o in streamed), streamed
+    kinds = ours[len(requests) - len(MALFORMED) - len(CONTINUATION_KINDS):len(requests) - len(MALFORMED)]
+    assert all(k[1] == 200 if k[0] == "stream" else k[0] and not isinstance(k[0], int) for k in kinds), kinds
+    errors = [o for o in ours if isinstance(o, tuple) and isinstance(o[0], int) and o[0] >= 400]
+    assert len(errors) >= len(MALFORMED) and all(len(o) == 6 and o[-1] for o in errors), errors  # vLLM's error bodies
+
+
 def test_readyz_and_livez(daemon):
     ready = daemon.get("/readyz").json()
     assert ready["state"] == "ready" and ready["generation"] == 1
@@ -427,7 +442,8 @@ def test_log_lines_are_json_with_state_and_generation(daemon):
     assert requests and all(l["request_id"] for l in requests)
 
 
-def test_sigterm_exits_zero_and_leaves_nothing(daemon, notify_socket):
+def test_sigterm_exits_zero_and_leaves_nothing(daemon, notify_socket, vllm_serve):
+    vllm_serve.stop()  # (stopped already unless the comparison was left out): not the daemon's to leave
     code, took = daemon.stop(signal.SIGTERM)
     time.sleep(0.5)
     messages = list(notify_socket[1])
