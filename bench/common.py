@@ -4,7 +4,6 @@ daemon), vLLM's own benchmark client, and ratio tables."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import shutil
 import signal
@@ -14,7 +13,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 
@@ -110,16 +109,10 @@ class VllmServe:
             self.remember_segments()
 
 
-@contextlib.contextmanager
-def plain_vllm_serve(workdir: Path, *extra: str, max_model_len: int = 256) -> Iterator[VllmServe]:
+def plain_vllm_serve(workdir: Path, *extra: str, max_model_len: int = 256) -> VllmServe:
     """A plain ``vllm serve`` of the demo model (vLLM's default executor, no Ray) with the
-    daemon's demo-model defaults: the reference a drop-in is compared with."""
-    server = VllmServe(workdir, None, max_model_len=max_model_len, extra=extra).start()
-    try:
-        server.wait_ready()
-        yield server
-    finally:
-        server.stop()
+    daemon's demo-model defaults, not yet started: the reference a drop-in is compared with."""
+    return VllmServe(workdir, None, max_model_len=max_model_len, extra=extra)
 
 
 def start_daemon(workdir: Path, head: RayHead, tp: int = 1, max_model_len: int = 1024, executor: str = "ray",

@@ -98,10 +98,10 @@ def vllm_serve(daemon, tmp_path_factory):
     model and flags), started as soon as the daemon serves: its cold start (about a minute on 2
     cores) runs beside this module's lighter tests instead of adding to the suite's time. Stopped
     before the daemon's own leak check."""
-    from bench.common import VllmServe
+    from bench.common import plain_vllm_serve
 
-    server = VllmServe(tmp_path_factory.mktemp("vllm-serve"), None, max_model_len=256,
-                       extra=("--enable-auto-tool-choice", "--tool-call-parser", "hermes")).start()
+    server = plain_vllm_serve(tmp_path_factory.mktemp("vllm-serve"), "--enable-auto-tool-choice", "--tool-call-parser",
+                              "hermes").start()
     yield server
     server.stop()
 
