@@ -4,7 +4,6 @@ its own; the hand-written hostile requests of ``tests/integration/hostile.py`` r
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
@@ -13,8 +12,7 @@ from pathlib import Path
 import pytest
 
 from chaos.harness import BIN, Daemon
-from chaos.load import as_reference, run_with_fault
-from tests.integration.hostile import STREAMS, TOKENS, still_serving_exactly
+from tests.integration.hostile import hostile_ref, still_serving_exactly  # noqa: F401 (fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 FUZZ_S = int(os.environ.get("VLLM_SUPERVISOR_FUZZ_S", "150"))
@@ -27,15 +25,14 @@ def daemon(tmp_path_factory):
     config = {"server": {"max_body_bytes": 65536}, "supervisor": {"standby": "none"}}
     with Daemon(tmp_path_factory.mktemp("fuzz"), config).start() as d:
         d.wait_ready()
-        ref = as_reference(asyncio.run(run_with_fault(d.base_url, STREAMS, TOKENS))[0])
-        yield d, ref
+        yield d
         code, _ = d.stop()
         assert code == 0, d.tail()
         d.assert_nothing_left()
 
 
-def test_schemathesis_finds_no_server_error(daemon, tmp_path):
-    d, ref = daemon
+def test_schemathesis_finds_no_server_error(daemon, hostile_ref, tmp_path):
+    d, ref = daemon, hostile_ref
     report_dir = tmp_path / "report"
     out = subprocess.run(
         [str(BIN / "st"), "--config-file", str(ROOT / "fuzz" / "schemathesis.toml"), "run", f"{d.base_url}/openapi.json",

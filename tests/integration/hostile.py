@@ -105,8 +105,7 @@ HOSTILE: list[tuple[str, str, bytes]] = [
 
 @pytest.mark.parametrize("name,path,body", HOSTILE, ids=[h[0] for h in HOSTILE])
 def test_hostile_request_gets_a_4xx_with_a_message(daemon, hostile_ref, name, path, body):
-    d = daemon
-    r = _post(d, path, body)
+    r = _post(daemon, path, body)
     assert 400 <= r.status_code < 500, (name, r.status_code, r.text[:500])
     assert (r.status_code == 413) == (name == "oversized body"), (name, r.status_code)  # reached vLLM, not the size limit
     assert _message(r), (name, r.text[:500])
