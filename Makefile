@@ -57,7 +57,7 @@ run: venv
 # The default suite (under 30 minutes on 2 cores): unit, integration, and the chaos tests that
 # prove each promise once. `make extended` runs the variants it leaves out (pyproject's marker
 # `extended`: other executors, several nodes, the Ray head lost, load through three faults, second
-# faults); CI runs make test and, of these, the real-host and wheel tests (.ci/run).
+# faults); CI runs make test and, of these, the real-host and wheel tests when time allows (.ci/run).
 test: venv
 	$(PY) -m pytest -m "not extended"
 
