@@ -122,6 +122,13 @@ class Daemon:
         inherited = {k: v for k, v in USER_ENV.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
         merged = dict(inherited, **(env or {}), **{MARKER_ENV: self.marker})
         self.env = {k: v for k, v in merged.items() if v is not None}  # None: unset it
+        # where the daemon keeps its demo model and run record: as configured, else its default
+        # under the HOME it was given
+        from config.settings import SupervisorSettings
+
+        default = SupervisorSettings.model_fields["data_dir"].default
+        configured = config.get("supervisor", {}).get("data_dir")
+        self.data_dir = Path(configured) if configured else Path(self.env.get("HOME", "~")) / default.relative_to("~")
         self.proc: subprocess.Popen | None = None
         self.shm_before: set[str] = set()
         self.seen: set[tuple[int, int]] = set()  # (pid, start time) of every descendant seen
@@ -309,7 +316,7 @@ class Daemon:
         """The daemon's run record (``supervisor/crashrecord.py``)."""
         from supervisor.crashrecord import record_path
 
-        return record_path(data_dir(), f"127.0.0.1-{self.port}")
+        return record_path(self.data_dir, f"127.0.0.1-{self.port}")
 
     def log_lines(self) -> list[dict]:
         out = []

@@ -3,7 +3,11 @@ nothing of it running, and the next start on the same port cleans what it left a
 
 Before the reaper (``executor/reaper.py``) a SIGKILLed daemon left its private cluster's
 ``ray::DashboardAgent`` and ``ray::RuntimeEnvAgent`` running for 90 s or more, and its
-rings in ``/dev/shm`` for good."""
+rings in ``/dev/shm`` for good.
+
+The private cluster's case ends ``tests/integration/test_serving.py``'s daemon (a daemon start
+fewer in ``make test``): ``test_sigkill_leaves_nothing_and_the_next_start_cleans_serves_and_exits_zero_on_sigterm``.
+Here, the extended variant on an operator's cluster, and the steps both use."""
 
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ import pytest
 from chaos import inject
 from chaos.harness import Daemon
 from chaos.load import as_reference, compare, run_with_fault
-from tests.chaos.test_recovery import FAST_PROBES, MAX_TOKENS, start_daemon, stop_leaves_nothing
+from tests.chaos.test_recovery import MAX_TOKENS, start_daemon, stop_leaves_nothing
 
 pytestmark = pytest.mark.integration
 
@@ -33,11 +37,11 @@ def cmdline(pid: int) -> str:
         return ""
 
 
-def serve_reference(daemon: Daemon) -> dict:
-    return as_reference(asyncio.run(run_with_fault(daemon.base_url, STREAMS, MAX_TOKENS))[0])
+def serve_reference(daemon: Daemon, max_tokens: int = MAX_TOKENS) -> dict:
+    return as_reference(asyncio.run(run_with_fault(daemon.base_url, STREAMS, max_tokens))[0])
 
 
-def crash_mid_stream(daemon: Daemon) -> tuple[float, list[str]]:
+def crash_mid_stream(daemon: Daemon, max_tokens: int = MAX_TOKENS) -> tuple[float, list[str]]:
     """SIGKILL the daemon while ``STREAMS`` streams run; returns (seconds until none of its
     processes and no new segment of its is left, the command lines of its processes)."""
     daemon.wait_standby()  # the fork server and the standby actor are up: the most to leave
@@ -49,7 +53,7 @@ def crash_mid_stream(daemon: Daemon) -> tuple[float, list[str]]:
         os.kill(daemon.proc.pid, signal.SIGKILL)
         return {}
 
-    records, _ = asyncio.run(run_with_fault(daemon.base_url, STREAMS, MAX_TOKENS, fault))
+    records, _ = asyncio.run(run_with_fault(daemon.base_url, STREAMS, max_tokens, fault))
     assert daemon.proc.wait(10) == -signal.SIGKILL
     # the streams were cut (the daemon is gone), not silently completed
     assert all(r.outcome == "error" or r.finish_reason is None for r in records)
@@ -57,35 +61,10 @@ def crash_mid_stream(daemon: Daemon) -> tuple[float, list[str]]:
     return time.monotonic() - killed_at[0], titles
 
 
-def assert_serves_exactly(daemon: Daemon, ref: dict) -> None:
-    records, _ = asyncio.run(run_with_fault(daemon.base_url, STREAMS, MAX_TOKENS))
+def assert_serves_exactly(daemon: Daemon, ref: dict, max_tokens: int = MAX_TOKENS) -> None:
+    records, _ = asyncio.run(run_with_fault(daemon.base_url, STREAMS, max_tokens))
     summary = compare(records, ref)
     assert summary["failed"] == 0 and summary["mismatched"] == 0, summary
-
-
-def test_sigkill_with_a_private_cluster_leaves_nothing_and_the_next_start_serves(tmp_path):
-    config = {"engine": {"max_model_len": 1024}, "supervisor": dict(FAST_PROBES)}
-    (tmp_path / "first").mkdir()
-    (tmp_path / "second").mkdir()
-    with Daemon(tmp_path / "first", config).start() as first:
-        first.wait_ready()
-        ref = serve_reference(first)
-        took, titles = crash_mid_stream(first)
-        # what used to outlive a crash was among what the reaper took
-        assert any("DashboardAgent" in t for t in titles) and any("EngineCore" in t for t in titles), titles
-        assert first.run_record().exists()  # the record a crash leaves for the next start
-        print(f"\nSIGKILL of the daemon (private cluster, standby on): {len(first.seen)} processes "
-              f"({', '.join(sorted(set(t.split()[0].rsplit('/', 1)[-1] for t in titles if t)))}) and its /dev/shm rings gone {took:.1f} s after the kill")
-
-    with Daemon(tmp_path / "second", config, port=first.port).start() as second:
-        second.wait_ready()
-        cleaned = [line for line in second.log_lines() if line.get("event", "").startswith("the previous daemon")]
-        assert cleaned and cleaned[0]["predecessor_pid"] == first.proc.pid, second.tail()
-        assert_serves_exactly(second, ref)
-        code, _ = second.stop(signal.SIGTERM)
-        assert code == 0, second.tail()
-        second.assert_nothing_left()
-        assert not second.run_record().exists()  # a clean stop leaves no record
 
 
 @pytest.mark.extended

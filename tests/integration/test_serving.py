@@ -20,6 +20,7 @@ import openai
 import pytest
 
 from chaos.harness import BIN, Daemon, demo_model_path
+from tests.chaos.test_crash import assert_serves_exactly, crash_mid_stream, serve_reference
 from tests.integration.hostile import (  # noqa: F401 (tests and their fixture, run here first, on this daemon)
     hostile_ref, test_a_client_that_vanishes_or_dawdles_costs_nothing, test_hostile_request_gets_a_4xx_with_a_message,
     test_no_recovery_and_no_unhandled_exception_after_the_hostile_requests)
@@ -35,13 +36,17 @@ def home(tmp_path_factory):
     return tmp_path_factory.mktemp("home")
 
 
+def serving_daemon(workdir: Path, notify_socket, home: Path, port: int | None = None) -> Daemon:
+    """This module's daemon, as on a new machine: no Ray token anywhere (the test run's own is
+    not passed on), no ``data_dir`` configured, systemd's notify socket and watchdog."""
+    env = {"NOTIFY_SOCKET": notify_socket[0], "WATCHDOG_USEC": "2000000", "HOME": str(home)}
+    return Daemon(workdir, {"engine": {"tensor_parallel_size": 1}}, env=env, shared_data_dir=False, port=port,
+                  args=("--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--enable-log-requests")).start()
+
+
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory, notify_socket, home):
-    # as on a new machine: no Ray token anywhere (the test run's own is not passed on)
-    env = {"NOTIFY_SOCKET": notify_socket[0], "WATCHDOG_USEC": "2000000", "HOME": str(home)}
-    with Daemon(tmp_path_factory.mktemp("tp1"), {"engine": {"tensor_parallel_size": 1}}, env=env,
-                shared_data_dir=False, args=("--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                                             "--enable-log-requests")).start() as d:
+    with serving_daemon(tmp_path_factory.mktemp("tp1"), notify_socket, home) as d:
         d.wait_ready()
         yield d
 
@@ -442,18 +447,42 @@ def test_log_lines_are_json_with_state_and_generation(daemon):
     assert requests and all(l["request_id"] for l in requests)
 
 
-def test_sigterm_exits_zero_and_leaves_nothing(daemon, notify_socket, vllm_serve):
+CRASH_TOKENS = 200  # of the demo model's 256 (this daemon leaves max_model_len as it is)
+
+
+def test_sigkill_leaves_nothing_and_the_next_start_cleans_serves_and_exits_zero_on_sigterm(
+        daemon, notify_socket, home, vllm_serve, tmp_path):
+    """The module's daemon ends as a crash ends it: SIGKILL mid-stream (an OOM kill) leaves
+    nothing of it running and none of its ``/dev/shm`` rings (``tests/chaos/test_crash.py``).
+    The next start on the same port, with the same HOME, cleans what the crash left, serves the
+    same text, and ends as systemd stops it: READY after EXTEND_TIMEOUT, the watchdog fed,
+    SIGTERM, STOPPING and STATUS=stopped, exit 0, nothing left and no run record."""
     vllm_serve.stop()  # (stopped already unless the comparison was left out): not the daemon's to leave
-    code, took = daemon.stop(signal.SIGTERM)
-    time.sleep(0.5)
-    messages = list(notify_socket[1])
-    ready = [i for i, m in enumerate(messages) if m.startswith("READY=1")]
-    assert len(ready) == 1 and "STATUS=ready (generation 1)" in messages[ready[0]]
-    assert any(m.startswith("EXTEND_TIMEOUT_USEC=") for m in messages[: ready[0]])
-    assert "WATCHDOG=1" in messages[ready[0]:]
-    assert messages[-1].startswith("STATUS=stopped") and any(m.startswith("STOPPING=1") for m in messages)
-    assert code == 0, daemon.tail()
-    assert took < 60
-    daemon.assert_nothing_left()
-    with pytest.raises(httpx.ConnectError):
-        daemon.get("/livez", timeout=2)
+    ref = serve_reference(daemon, CRASH_TOKENS)
+    took, titles = crash_mid_stream(daemon, CRASH_TOKENS)
+    # what used to outlive a crash was among what the reaper took
+    assert any("DashboardAgent" in t for t in titles) and any("EngineCore" in t for t in titles), titles
+    assert daemon.run_record().exists()  # the record a crash leaves for the next start
+    print(f"\nSIGKILL of the daemon (private cluster, standby on): {len(daemon.seen)} processes and its "
+          f"/dev/shm rings gone {took:.1f} s after the kill")
+
+    notify_socket[1].clear()  # from here on, the next daemon's messages only
+    with serving_daemon(tmp_path, notify_socket, home, port=daemon.port) as second:
+        second.wait_ready()
+        cleaned = [line for line in second.log_lines() if line.get("event", "").startswith("the previous daemon")]
+        assert cleaned and cleaned[0]["predecessor_pid"] == daemon.proc.pid, second.tail()
+        assert_serves_exactly(second, ref, CRASH_TOKENS)
+        code, took = second.stop(signal.SIGTERM)
+        time.sleep(0.5)
+        messages = list(notify_socket[1])
+        ready = [i for i, m in enumerate(messages) if m.startswith("READY=1")]
+        assert len(ready) == 1 and "STATUS=ready (generation 1)" in messages[ready[0]], messages
+        assert any(m.startswith("EXTEND_TIMEOUT_USEC=") for m in messages[: ready[0]])
+        assert "WATCHDOG=1" in messages[ready[0]:]
+        assert messages[-1].startswith("STATUS=stopped") and any(m.startswith("STOPPING=1") for m in messages)
+        assert code == 0, second.tail()
+        assert took < 60
+        second.assert_nothing_left()
+        assert not second.run_record().exists()  # a clean stop leaves no record
+        with pytest.raises(httpx.ConnectError):
+            second.get("/livez", timeout=2)
