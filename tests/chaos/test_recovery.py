@@ -242,42 +242,56 @@ class TestTP2:
         assert_clean_generation(daemon, ray_head, before)
         assert_process_gone(info["pid"])
 
-    def test_tp2_stop_leaves_nothing(self, tp2, ray_head):
-        stop_leaves_nothing(tp2[0], ray_head)
+    def test_tp2_a_stop_during_a_hung_build_cuts_it_short_and_leaves_nothing(self, tp2, ray_head):
+        """The class's daemon ends as systemd stops it in the worst case: a recovery's engine start
+        hangs (its engine core, forked from the standby's fork server beside the adopted standby
+        workers, stopped before it was ready) and SIGTERM comes (``stop_during_a_hung_build``)."""
+        daemon, _ = tp2
+        daemon.wait_standby()  # the recovery adopts both ranks, as a default daemon's does
+        took_s = stop_during_a_hung_build(daemon, ray_head, rank=1)
+        print(f"\nTP=2 stop during a hung build: exit 0 after {took_s:.1f} s")
 
 
-def test_a_stop_during_a_hung_build_cuts_it_short_and_leaves_nothing(tmp_path, ray_head):
+def stop_during_a_hung_build(daemon: Daemon, ray_head: RayHead, rank: int = 0) -> float:
     """SIGTERM while a recovery's engine start hangs (its engine core stopped before it was
     ready): the stop kills that engine core instead of waiting for vLLM's start-up timeout (600
     s) or the stop's own deadline (``recovery_timeout_s``, 600 s), far past systemd's
-    ``TimeoutStopSec`` (90 s), and leaves nothing behind."""
+    ``TimeoutStopSec`` (90 s): exit 0 within 30 s, nothing left. Returns the stop's seconds."""
     from executor.engine import engine_cores_under
 
+    first = engine_cores_under(daemon.proc.pid)
+    assert first, "no engine core found under the daemon"
+    inject.kill_worker(ray_head.address, rank=rank)
+    deadline, stopped = time.monotonic() + 120, None
+    while stopped is None and time.monotonic() < deadline:
+        if new := engine_cores_under(daemon.proc.pid) - first:  # the next generation's, starting
+            stopped = min(new)
+            os.kill(stopped, signal.SIGSTOP)
+        time.sleep(0.05)
+    assert stopped is not None, f"no new engine core started:\n{daemon.tail()}"
+    time.sleep(2)
+    assert daemon.status()["state"] == "recovering", daemon.status()["state"]  # the build hangs
+    code, took_s = daemon.stop(signal.SIGTERM, timeout_s=60)
+    assert code == 0, daemon.tail()
+    assert took_s < 30, took_s
+    lines = daemon.log_lines()
+    assert any(line.get("event") == "stopping: the engine build under way was abandoned"
+               and stopped in line.get("engine_cores_killed", []) for line in lines), daemon.tail()
+    assert not any(line.get("event") == "engine build failed" for line in lines), daemon.tail()
+    assert_process_gone(stopped)
+    daemon.assert_nothing_left()
+    assert inject.inspect(ray_head.address) == {"placement_groups": [], "actors": []}
+    return took_s
+
+
+@pytest.mark.extended
+def test_a_stop_during_a_hung_cold_build_cuts_it_short_and_leaves_nothing(tmp_path, ray_head):
+    """The same stop with no standby (``TestTP2``'s last test has the default warm one): the
+    hung engine core is one vLLM spawned, beside workers vLLM's executor creates."""
     with start_daemon(tmp_path, ray_head, tp=1, standby="none") as daemon:
         daemon.wait_ready()
-        first = engine_cores_under(daemon.proc.pid)
-        assert first, "no engine core found under the daemon"
-        inject.kill_worker(ray_head.address, rank=0)
-        deadline, stopped = time.monotonic() + 120, None
-        while stopped is None and time.monotonic() < deadline:
-            if new := engine_cores_under(daemon.proc.pid) - first:  # the next generation's, starting
-                stopped = min(new)
-                os.kill(stopped, signal.SIGSTOP)
-            time.sleep(0.05)
-        assert stopped is not None, f"no new engine core started:\n{daemon.tail()}"
-        time.sleep(2)
-        assert daemon.status()["state"] == "recovering", daemon.status()["state"]  # the build hangs
-        code, took_s = daemon.stop(signal.SIGTERM, timeout_s=60)
-        assert code == 0, daemon.tail()
-        assert took_s < 30, took_s
-        lines = daemon.log_lines()
-        assert any(line.get("event") == "stopping: the engine build under way was abandoned"
-                   and stopped in line.get("engine_cores_killed", []) for line in lines), daemon.tail()
-        assert not any(line.get("event") == "engine build failed" for line in lines), daemon.tail()
-        assert_process_gone(stopped)
-        daemon.assert_nothing_left()
-        assert inject.inspect(ray_head.address) == {"placement_groups": [], "actors": []}
-    print(f"\nstop during a hung build: exit 0 after {took_s:.1f} s")
+        took_s = stop_during_a_hung_build(daemon, ray_head)
+    print(f"\nstop during a hung cold build: exit 0 after {took_s:.1f} s")
 
 
 @pytest.mark.extended
