@@ -1,0 +1,75 @@
+"""Where a Ray V2 replica loses its TTFT p99 against an ``mp`` one with a core each (issue 42's
+replica comparison, 2026-12-02): the longer chat load (``--conversations 128``, client at -10)
+against the daemon's 2 replicas bound one core each (``VLLM_CPU_OMP_THREADS_BIND=0|1``), on
+Ray V2 (``prefix_core_each``) and on ``mp`` (``prefix_mp_core_each``), alternating. Per round,
+as ``threadprobe2.py`` (2026-11-29) does, plus the host gauge over the load
+(``bench.common.HostSpeed``): the load's TTFT p50/p99 and took, vLLM's mean inter-token latency,
+the host's CPU split, the CPU of every thread of the daemon's tree, and a ``py-spy`` of each
+worker (top frames, share under a forward).
+
+    PYTHONPATH=. .venv/bin/python bench/results/ray-worker-core-each-2026-12-02/coreprobe_each.py ROUNDS OUTDIR
+"""
+from __future__ import annotations
+
+import collections
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "ray-worker-step-2026-11-29"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "ray-worker-step-2026-11-28"))
+import threadprobe2 as tp  # noqa: E402
+
+from bench import prefix_routing as pr  # noqa: E402
+from bench.common import HostSpeed  # noqa: E402
+from chaos.harness import Daemon  # noqa: E402
+
+
+def one(kind: str, args, out: Path, r: int) -> None:
+    config, flags = pr.daemon_setup(kind)
+    with tempfile.TemporaryDirectory() as tmp, Daemon(Path(tmp), config, args=flags, env=dict(pr.CORE_EACH_ENV),
+                                                      own_session=True).start() as d:
+        d.wait_ready(); d.wait_replicas_serving(); d.wait_standby()
+        spies = {pid: subprocess.Popen([str(Path(sys.executable).with_name("py-spy")), "record", "--nonblocking", "--rate", "20",
+                                        "--format", "raw", "--pid", str(pid), "--output", str(out / f"r{r}-{kind}-{pid}.txt")],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                 for pid in tp.workers(d.proc.pid)}
+        gauge = HostSpeed()
+        i0, h0, t0 = tp.itl(d.base_url), tp.host(), tp.threads(d.proc.pid)
+        row = pr.measure(d.base_url, args)
+        i1, h1, t1 = tp.itl(d.base_url), tp.host(), tp.threads(d.proc.pid)
+        speed = gauge.stop()
+        for spy in spies.values():
+            spy.send_signal(signal.SIGINT)
+        for spy in spies.values():
+            spy.wait(timeout=30)
+        took = row["took_s"]
+        mean_itl = 1000 * (i1[0] - i0[0]) / max(1, i1[1] - i0[1])
+        print(f"round {r} {kind}: took {took} s, TTFT p50 {row['ttft_p50_ms']:.0f} p99 {row['ttft_p99_ms']:.0f} ms, "
+              f"hit rate {row['hit_rate']:.3f}, mean ITL {mean_itl:.1f} ms, "
+              f"gauge matmul {speed['host_matmul_ms']:.1f} ms; host (cores): " + ", ".join(
+                  f"{k} {(h1[k] - h0[k]) / 100 / took:.2f}" for k in h0), flush=True)
+        delta = collections.Counter({k: v - t0.get(k, 0.0) for k, v in t1.items()})
+        for (p, t), s in delta.most_common(14):
+            print(f"    {p:<24} {t:<18} {s:6.2f} s", flush=True)
+        for pid in spies:
+            raw = out / f"r{r}-{kind}-{pid}.txt"
+            if raw.exists():
+                print(f"  py-spy {pid}:\n" + tp.summarise(raw), flush=True)
+        d.stop()
+
+
+def main() -> None:
+    rounds, out = int(sys.argv[1]), Path(sys.argv[2])
+    out.mkdir(parents=True, exist_ok=True)
+    args = pr.workload_parser().parse_args(["--client-nice", "-10", "--conversations", "128"])
+    kinds = [pr.PREFIX_CORE_EACH, pr.PREFIX_MP_CORE_EACH]
+    for r in range(rounds):
+        for kind in (kinds if r % 2 == 0 else kinds[::-1]):
+            one(kind, args, out, r)
+
+
+if __name__ == "__main__":
+    main()
