@@ -7,7 +7,9 @@ as ``threadprobe2.py`` (2026-11-29) does, plus the host gauge over the load
 the host's CPU split, the CPU of every thread of the daemon's tree, and a ``py-spy`` of each
 worker (top frames, share under a forward).
 
-    PYTHONPATH=. .venv/bin/python bench/results/ray-worker-core-each-2026-12-02/coreprobe_each.py ROUNDS OUTDIR
+    PYTHONPATH=. .venv/bin/python bench/results/ray-worker-core-each-2026-12-02/coreprobe_each.py ROUNDS OUTDIR [KIND ...]
+
+KINDS default to the two above; ``prefix_core_each_no_standby`` is Ray V2's with ``standby = "none"``.
 """
 from __future__ import annotations
 
@@ -27,11 +29,18 @@ from bench.common import HostSpeed  # noqa: E402
 from chaos.harness import Daemon  # noqa: E402
 
 
+NO_STANDBY = "prefix_core_each_no_standby"
+
+
 def one(kind: str, args, out: Path, r: int) -> None:
-    config, flags = pr.daemon_setup(kind)
+    config, flags = pr.daemon_setup(pr.PREFIX_CORE_EACH if kind == NO_STANDBY else kind)
+    if kind == NO_STANDBY:
+        config["supervisor"]["standby"] = "none"
     with tempfile.TemporaryDirectory() as tmp, Daemon(Path(tmp), config, args=flags, env=dict(pr.CORE_EACH_ENV),
                                                       own_session=True).start() as d:
-        d.wait_ready(); d.wait_replicas_serving(); d.wait_standby()
+        d.wait_ready(); d.wait_replicas_serving()
+        if kind != NO_STANDBY:
+            d.wait_standby()
         spies = {pid: subprocess.Popen([str(Path(sys.executable).with_name("py-spy")), "record", "--nonblocking", "--rate", "20",
                                         "--format", "raw", "--pid", str(pid), "--output", str(out / f"r{r}-{kind}-{pid}.txt")],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -65,7 +74,7 @@ def main() -> None:
     rounds, out = int(sys.argv[1]), Path(sys.argv[2])
     out.mkdir(parents=True, exist_ok=True)
     args = pr.workload_parser().parse_args(["--client-nice", "-10", "--conversations", "128"])
-    kinds = [pr.PREFIX_CORE_EACH, pr.PREFIX_MP_CORE_EACH]
+    kinds = sys.argv[3:] or [pr.PREFIX_CORE_EACH, pr.PREFIX_MP_CORE_EACH]
     for r in range(rounds):
         for kind in (kinds if r % 2 == 0 else kinds[::-1]):
             one(kind, args, out, r)
