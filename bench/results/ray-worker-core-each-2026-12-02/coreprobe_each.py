@@ -13,9 +13,6 @@ KINDS default to the two above; ``prefix_core_each_no_standby`` is Ray V2's with
 """
 from __future__ import annotations
 
-import collections
-import signal
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -41,32 +38,20 @@ def one(kind: str, args, out: Path, r: int) -> None:
         d.wait_ready(); d.wait_replicas_serving()
         if kind != NO_STANDBY:
             d.wait_standby()
-        spies = {pid: subprocess.Popen([str(Path(sys.executable).with_name("py-spy")), "record", "--nonblocking", "--rate", "20",
-                                        "--format", "raw", "--pid", str(pid), "--output", str(out / f"r{r}-{kind}-{pid}.txt")],
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                 for pid in tp.workers(d.proc.pid)}
+        spies = tp.start_spies(tp.workers(d.proc.pid), out, r, kind)
         gauge = HostSpeed()
         i0, h0, t0 = tp.itl(d.base_url), tp.host(), tp.threads(d.proc.pid)
         row = pr.measure(d.base_url, args)
         i1, h1, t1 = tp.itl(d.base_url), tp.host(), tp.threads(d.proc.pid)
         speed = gauge.stop()
-        for spy in spies.values():
-            spy.send_signal(signal.SIGINT)
-        for spy in spies.values():
-            spy.wait(timeout=30)
+        tp.stop_spies(spies)
         took = row["took_s"]
         mean_itl = 1000 * (i1[0] - i0[0]) / max(1, i1[1] - i0[1])
         print(f"round {r} {kind}: took {took} s, TTFT p50 {row['ttft_p50_ms']:.0f} p99 {row['ttft_p99_ms']:.0f} ms, "
               f"hit rate {row['hit_rate']:.3f}, mean ITL {mean_itl:.1f} ms, "
               f"gauge matmul {speed['host_matmul_ms']:.1f} ms; host (cores): " + ", ".join(
                   f"{k} {(h1[k] - h0[k]) / 100 / took:.2f}" for k in h0), flush=True)
-        delta = collections.Counter({k: v - t0.get(k, 0.0) for k, v in t1.items()})
-        for (p, t), s in delta.most_common(14):
-            print(f"    {p:<24} {t:<18} {s:6.2f} s", flush=True)
-        for pid in spies:
-            raw = out / f"r{r}-{kind}-{pid}.txt"
-            if raw.exists():
-                print(f"  py-spy {pid}:\n" + tp.summarise(raw), flush=True)
+        tp.print_breakdown(t0, t1, spies, out, r, kind)
         d.stop()
 
 

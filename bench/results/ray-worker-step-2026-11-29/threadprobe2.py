@@ -86,33 +86,47 @@ def summarise(raw: Path) -> str:
     return f"    samples {total}, under a forward {100 * forward / max(1, total):.1f} %\n" + "\n".join(lines)
 
 
+def start_spies(pids, out: Path, r: int, kind: str) -> dict:
+    """A ``py-spy record --nonblocking`` (20 Hz, raw) of each of ``pids``, until ``stop_spies``."""
+    return {pid: subprocess.Popen([str(Path(sys.executable).with_name("py-spy")), "record", "--nonblocking", "--rate", "20",
+                                   "--format", "raw", "--pid", str(pid), "--output", str(out / f"r{r}-{kind}-{pid}.txt")],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for pid in pids}
+
+
+def stop_spies(spies: dict) -> None:
+    for spy in spies.values():
+        spy.send_signal(signal.SIGINT)
+    for spy in spies.values():
+        spy.wait(timeout=30)
+
+
+def print_breakdown(t0, t1, spies: dict, out: Path, r: int, kind: str) -> None:
+    """The threads that took the most CPU over the load, and each spied process's top frames."""
+    delta = collections.Counter({k: v - t0.get(k, 0.0) for k, v in t1.items()})
+    for (p, t), s in delta.most_common(14):
+        print(f"    {p:<24} {t:<18} {s:6.2f} s", flush=True)
+    for pid in spies:
+        raw = out / f"r{r}-{kind}-{pid}.txt"
+        if raw.exists():
+            print(f"  py-spy {pid}:\n" + summarise(raw), flush=True)
+
+
 def one(kind, args, out: Path, r: int):
     config, flags = pr.daemon_setup(kind)
     with tempfile.TemporaryDirectory() as tmp, Daemon(Path(tmp), config, args=flags, own_session=True).start() as d:
         d.wait_ready(); d.wait_replicas_serving(); d.wait_standby()
-        spies = {pid: subprocess.Popen([str(Path(sys.executable).with_name("py-spy")), "record", "--nonblocking", "--rate", "20",
-                                        "--format", "raw", "--pid", str(pid), "--output", str(out / f"r{r}-{kind}-{pid}.txt")],
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                 for pid in workers(d.proc.pid)}
+        spies = start_spies(workers(d.proc.pid), out, r, kind)
         i0, h0, t0 = itl(d.base_url), host(), threads(d.proc.pid)
         row = pr.measure(d.base_url, args)
         i1, h1, t1 = itl(d.base_url), host(), threads(d.proc.pid)
-        for spy in spies.values():
-            spy.send_signal(signal.SIGINT)
-        for spy in spies.values():
-            spy.wait(timeout=30)
+        stop_spies(spies)
         took = row["took_s"]
         mean_itl = 1000 * (i1[0] - i0[0]) / max(1, i1[1] - i0[1])
         print(f"round {r} {kind}: took {took} s, TTFT p50 {row['ttft_p50_ms']:.0f} p99 {row['ttft_p99_ms']:.0f} ms, "
               f"mean ITL {mean_itl:.1f} ms; host (cores): " + ", ".join(
                   f"{k} {(h1[k] - h0[k]) / 100 / took:.2f}" for k in h0), flush=True)
-        delta = collections.Counter({k: v - t0.get(k, 0.0) for k, v in t1.items()})
-        for (p, t), s in delta.most_common(14):
-            print(f"    {p:<24} {t:<18} {s:6.2f} s", flush=True)
-        for pid in spies:
-            raw = out / f"r{r}-{kind}-{pid}.txt"
-            if raw.exists():
-                print(f"  py-spy {pid}:\n" + summarise(raw), flush=True)
+        print_breakdown(t0, t1, spies, out, r, kind)
         d.stop()
 
 
