@@ -1,5 +1,6 @@
 """What a Ray V2 replica's engine core does that an ``mp`` one's does not (``coreprobe_each.py``
-found its CPU 25-55 % higher under the same load, 2026-12-02): the same load and daemons, with a
+found its CPU 25-55 % higher in its first two rounds, 2026-12-02, and lower in the third): the same
+load and daemons, with a
 ``py-spy record --threads --nonblocking`` of each engine core instead of the workers; per kind, the
 frames most often on top for each Python thread, and the share of samples each thread took.
 
@@ -8,26 +9,16 @@ frames most often on top for each Python thread, and the share of samples each t
 from __future__ import annotations
 
 import collections
-import signal
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from bench import prefix_routing as pr
-from bench.common import tree
-from chaos.harness import Daemon
+sys.path.insert(0, str(Path(__file__).parents[1] / "ray-worker-step-2026-11-29"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "ray-worker-step-2026-11-28"))
+import threadprobe2 as tp  # noqa: E402
 
-
-def engine_cores(root: int) -> list[int]:
-    out = []
-    for pid in tree(root):
-        try:
-            if "EngineCor" in open(f"/proc/{pid}/comm").read():
-                out.append(pid)
-        except OSError:
-            pass
-    return out
+from bench import prefix_routing as pr  # noqa: E402
+from chaos.harness import Daemon  # noqa: E402
 
 
 def tasks(pid: int) -> dict[int, tuple[str, float]]:
@@ -62,22 +53,16 @@ def one(kind: str, args, out: Path, r: int) -> None:
     with tempfile.TemporaryDirectory() as tmp, Daemon(Path(tmp), config, args=flags, env=dict(pr.CORE_EACH_ENV),
                                                       own_session=True).start() as d:
         d.wait_ready(); d.wait_replicas_serving(); d.wait_standby()
-        pids = engine_cores(d.proc.pid)
-        spies = [subprocess.Popen([str(Path(sys.executable).with_name("py-spy")), "record", "--nonblocking", "--threads",
-                                   "--rate", "50", "--format", "raw", "--pid", str(pid),
-                                   "--output", str(out / f"r{r}-{kind}-core-{pid}.txt")],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for pid in pids]
+        pids = tp.named(d.proc.pid, ("EngineCor",))
+        spies = tp.start_spies(pids, out, r, f"{kind}-core", 50, "--threads")
         before = {pid: tasks(pid) for pid in pids}
         row = pr.measure(d.base_url, args)
         after = {pid: tasks(pid) for pid in pids}
-        for spy in spies:
-            spy.send_signal(signal.SIGINT)
-        for spy in spies:
-            spy.wait(timeout=30)
+        tp.stop_spies(spies)
         print(f"round {r} {kind}: took {row['took_s']} s, TTFT p50 {row['ttft_p50_ms']:.0f} p99 {row['ttft_p99_ms']:.0f} ms",
               flush=True)
         for pid in pids:
-            raw = out / f"r{r}-{kind}-core-{pid}.txt"
+            raw = out / f"r{r}-{kind}-core-{pid}.txt"  # tp.start_spies's name
             cpu = sorted(((v[1] - before[pid].get(tid, (v[0], 0.0))[1], tid, v[0]) for tid, v in after[pid].items()),
                          reverse=True)
             print(f"  engine core {pid}: {sum(c for c, _, _ in cpu):.2f} CPU s; threads (tid, name, CPU s): "

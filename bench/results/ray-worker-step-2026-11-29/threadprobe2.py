@@ -60,15 +60,20 @@ def threads(root):
     return out
 
 
-def workers(root):
+def named(root, names) -> list[int]:
+    """The processes of ``root``'s tree whose name (``comm``) contains one of ``names``."""
     out = []
     for pid in tree(root):
         try:
-            if any(k in open(f"/proc/{pid}/comm").read() for k in WORKER_NAMES):
+            if any(k in open(f"/proc/{pid}/comm").read() for k in names):
                 out.append(pid)
         except OSError:
             pass
     return out
+
+
+def workers(root):
+    return named(root, WORKER_NAMES)
 
 
 def summarise(raw: Path) -> str:
@@ -86,10 +91,11 @@ def summarise(raw: Path) -> str:
     return f"    samples {total}, under a forward {100 * forward / max(1, total):.1f} %\n" + "\n".join(lines)
 
 
-def start_spies(pids, out: Path, r: int, kind: str) -> dict:
-    """A ``py-spy record --nonblocking`` (20 Hz, raw) of each of ``pids``, until ``stop_spies``."""
-    return {pid: subprocess.Popen([str(Path(sys.executable).with_name("py-spy")), "record", "--nonblocking", "--rate", "20",
-                                   "--format", "raw", "--pid", str(pid), "--output", str(out / f"r{r}-{kind}-{pid}.txt")],
+def start_spies(pids, out: Path, r: int, kind: str, rate: int = 20, *flags: str) -> dict:
+    """A ``py-spy record --nonblocking`` (``rate`` Hz, raw, more ``flags``) of each of ``pids`` into
+    ``out/r<r>-<kind>-<pid>.txt``, until ``stop_spies``."""
+    return {pid: subprocess.Popen([str(Path(sys.executable).with_name("py-spy")), "record", "--nonblocking", "--rate", str(rate),
+                                   *flags, "--format", "raw", "--pid", str(pid), "--output", str(out / f"r{r}-{kind}-{pid}.txt")],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             for pid in pids}
 
