@@ -9,7 +9,12 @@ worker (top frames, share under a forward).
 
     PYTHONPATH=. .venv/bin/python bench/results/ray-worker-core-each-2026-12-02/coreprobe_each.py ROUNDS OUTDIR [KIND ...]
 
-KINDS default to the two above; ``prefix_core_each_no_standby`` is Ray V2's with ``standby = "none"``.
+KINDS default to the two above; ``prefix_core_each_no_standby`` is Ray V2's with ``standby = "none"``;
+``prefix_core_each_without_starter|idle|poll|starter_idle`` are Ray V2's defaults with that part
+(or both) of the warm standby left out (``supervisor.testhooks.standby_without``, as ``bench.serving_overhead`` does):
+the workers created by vLLM's executor instead of adopted; no standby prepared after the build;
+the ready standby not polled. They run with the test hooks on, whose only other effect on serving
+is a per-step check in the worker for a poisoned request.
 """
 from __future__ import annotations
 
@@ -24,19 +29,24 @@ import threadprobe2 as tp  # noqa: E402
 from bench import prefix_routing as pr  # noqa: E402
 from bench.common import HostSpeed  # noqa: E402
 from chaos.harness import Daemon  # noqa: E402
+from supervisor.testhooks import ENV, STANDBY_WITHOUT_ENV  # noqa: E402
 
 
 NO_STANDBY = "prefix_core_each_no_standby"
+WITHOUT = {f"prefix_core_each_without_{part.replace(',', '_')}": part for part in ("starter", "idle", "poll", "starter,idle")}
 
 
 def one(kind: str, args, out: Path, r: int) -> None:
-    config, flags = pr.daemon_setup(pr.PREFIX_CORE_EACH if kind == NO_STANDBY else kind)
+    config, flags = pr.daemon_setup(pr.PREFIX_CORE_EACH if kind == NO_STANDBY or kind in WITHOUT else kind)
+    env = dict(pr.CORE_EACH_ENV)
     if kind == NO_STANDBY:
         config["supervisor"]["standby"] = "none"
-    with tempfile.TemporaryDirectory() as tmp, Daemon(Path(tmp), config, args=flags, env=dict(pr.CORE_EACH_ENV),
+    if kind in WITHOUT:
+        env.update({ENV: "1", STANDBY_WITHOUT_ENV: WITHOUT[kind]})
+    with tempfile.TemporaryDirectory() as tmp, Daemon(Path(tmp), config, args=flags, env=env,
                                                       own_session=True).start() as d:
         d.wait_ready(); d.wait_replicas_serving()
-        if kind != NO_STANDBY:
+        if kind != NO_STANDBY and "idle" not in WITHOUT.get(kind, ""):
             d.wait_standby()
         spies = tp.start_spies(tp.workers(d.proc.pid), out, r, kind)
         gauge = HostSpeed()
