@@ -92,7 +92,7 @@ class Supervisor:
                                and not getattr(self.builder, "compiled_graph", False))
         # its workers' first creation is the first build's: the agent imports their class ahead (the first
         # agent from its spawn, before the daemon's vLLM import; a later one beside Ray's start)
-        self.ray.preload_worker_class = lambda: self.standby.creates_workers
+        self.ray.preload_worker_class = lambda: self.standby.preloads_worker_class
         # where each new request goes between replicas (with one there is no choice to make)
         self.router = PrefixRouter(cfg.routing_slack) if cfg.routing == "prefix" and cfg.replicas > 1 else None
         self.started_monotonic = time.monotonic()

@@ -56,8 +56,9 @@ def early_plan(settings: Settings, argv: list[str]) -> bool | None:
     if backend == "mp":
         return None
     from executor.engine import uses_compiled_graph
+    from supervisor.testhooks import standby_without
 
-    return settings.supervisor.standby == "warm" and not uses_compiled_graph()
+    return settings.supervisor.standby == "warm" and not uses_compiled_graph() and "preload" not in standby_without()
 
 
 class RayLink:

@@ -115,6 +115,12 @@ class Standby:
         Ray agent: a warm standby on Ray's executor (without Ray, the fork server only)."""
         return self.enabled and self.host.uses_ray
 
+    @property
+    def preloads_worker_class(self) -> bool:
+        """Whether the Ray agent imports the workers' class ahead of their first creation (unless
+        a bench left that out: ``testhooks.standby_without``)."""
+        return self.creates_workers and "preload" not in self._without
+
     # --- the owner's calls ----------------------------------------------------------------
 
     def prepare(self, generation: int, vllm_config: Any, replica: int = 0) -> bool:

@@ -15,7 +15,7 @@ it, so the request is established there when it holds (``supervisor.suspects``).
 
 Without the step clock (``VLLM_SUPERVISOR_TEST_TOKEN_CLOCK=1``): tokens are the probe's clock.
 
-Parts of the warm standby left out (``VLLM_SUPERVISOR_TEST_STANDBY_WITHOUT=starter,idle,poll``), so
+Parts of the warm standby left out (``VLLM_SUPERVISOR_TEST_STANDBY_WITHOUT=starter,idle,poll,preload``), so
 that ``bench.serving_overhead`` measures what each costs a serving engine (``standby_without``).
 
 The executor's own hooks (which death report comes first) live in ``executor.testhooks``."""
@@ -32,7 +32,7 @@ HOLD_AFTER = "supervisor_test_hold_after"
 HOLD_ENGINES = "supervisor_test_hold_engines"
 TOKEN_CLOCK_ENV = "VLLM_SUPERVISOR_TEST_TOKEN_CLOCK"
 STANDBY_WITHOUT_ENV = "VLLM_SUPERVISOR_TEST_STANDBY_WITHOUT"
-STANDBY_PARTS = ("starter", "idle", "poll")
+STANDBY_PARTS = ("starter", "idle", "poll", "preload")
 
 
 def token_clock_only() -> bool:
@@ -50,7 +50,8 @@ def standby_without() -> frozenset[str]:
     with the hooks on): ``starter``, each build's workers created by vLLM's executor, as with
     ``standby = "none"``, not through the Ray agent; ``idle``, no standby prepared after a
     build (no fork server, idle worker or liveness poll); ``poll``, a ready standby's liveness
-    not polled. An unknown part is an error, so a bench cannot measure a misspelt one."""
+    not polled; ``preload``, the Ray agent not importing the worker class (vLLM, torch) ahead
+    of the first creation (with ``starter`` and ``idle`` out: never). An unknown part is an error, so a bench cannot measure a misspelt one."""
     import os
 
     if not enabled():

@@ -41,6 +41,15 @@ def test_the_guess_reads_the_toml_executor_and_the_compiled_graph_switch(monkeyp
     assert early_plan(load_settings(None, {}), []) is False
 
 
+def test_a_bench_can_leave_the_class_import_out_only_with_the_hooks_on(monkeypatch):
+    from supervisor.testhooks import ENV, STANDBY_WITHOUT_ENV
+
+    monkeypatch.setenv(STANDBY_WITHOUT_ENV, "starter,idle,preload")
+    assert early_plan(load_settings(None, {}), []) is True  # the hooks off: as without the variable
+    monkeypatch.setenv(ENV, "1")
+    assert early_plan(load_settings(None, {}), []) is False
+
+
 class FakeAgent:
     made: list["FakeAgent"] = []
 

@@ -169,7 +169,7 @@ def test_a_failed_start_of_the_builds_own_workers_leaves_none_and_the_build_goes
 def test_a_bench_can_leave_each_standby_part_out_only_with_the_hooks_on(tmp_path, monkeypatch):
     """``VLLM_SUPERVISOR_TEST_STANDBY_WITHOUT`` (bench.serving_overhead measures the parts apart):
     ``starter``, the build's workers made by vLLM's executor; ``idle``, no standby after the build;
-    ``poll``, a ready standby not watched. Without the hooks' switch it changes nothing."""
+    ``poll``, a ready standby not watched; ``preload``, the workers' class not imported ahead. Without the hooks' switch it changes nothing."""
     import pytest
 
     from supervisor import testhooks
@@ -196,13 +196,19 @@ def test_a_bench_can_leave_each_standby_part_out_only_with_the_hooks_on(tmp_path
 
         sup, owner = await started("poll")
         await wait_for(lambda: sup.standby.state is StandbyState.READY)
+        assert sup.standby.preloads_worker_class  # the agent imports the workers' class ahead, unless:
         sup.builder.actor_states[sup.builder.standby_made[0]["actor_id"]] = "DEAD"
         await asyncio.sleep(2.5)  # watched, it is replaced within about 2 s (the test above)
         assert sup.standby.replacements == 0 and len(sup.builder.standby_made) == 1
         owner.cancel()
 
-        sup, owner = await started("idle", hooks="")  # the hooks off: a default standby
+        sup, owner = await started("starter,idle,preload")
+        assert sup.standby.creates_workers and not sup.standby.preloads_worker_class
+        owner.cancel()
+
+        sup, owner = await started("idle,preload", hooks="")  # the hooks off: a default standby
         await wait_for(lambda: sup.standby.state is StandbyState.READY)
+        assert sup.standby.preloads_worker_class
         owner.cancel()
 
     run(scenario())

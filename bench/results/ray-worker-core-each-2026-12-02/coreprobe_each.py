@@ -10,10 +10,10 @@ worker (top frames, share under a forward).
     PYTHONPATH=. .venv/bin/python bench/results/ray-worker-core-each-2026-12-02/coreprobe_each.py ROUNDS OUTDIR [KIND ...]
 
 KINDS default to the two above; ``prefix_core_each_no_standby`` is Ray V2's with ``standby = "none"``;
-``prefix_core_each_without_starter|idle|poll|starter_idle`` are Ray V2's defaults with that part
+``prefix_core_each_without_starter|idle|poll|starter_idle|starter_idle_preload`` are Ray V2's defaults with that part
 (or both) of the warm standby left out (``supervisor.testhooks.standby_without``, as ``bench.serving_overhead`` does):
 the workers created by vLLM's executor instead of adopted; no standby prepared after the build;
-the ready standby not polled. They run with the test hooks on, whose only other effect on serving
+the ready standby not polled; the Ray agent not importing the workers' class. They run with the test hooks on, whose only other effect on serving
 is a per-step check in the worker for a poisoned request.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ from supervisor.testhooks import ENV, STANDBY_WITHOUT_ENV  # noqa: E402
 
 
 NO_STANDBY = "prefix_core_each_no_standby"
-WITHOUT = {f"prefix_core_each_without_{part.replace(',', '_')}": part for part in ("starter", "idle", "poll", "starter,idle")}
+WITHOUT = {f"prefix_core_each_without_{part.replace(',', '_')}": part for part in ("starter", "idle", "poll", "starter,idle", "starter,idle,preload")}
 
 
 def one(kind: str, args, out: Path, r: int) -> None:
