@@ -7,7 +7,12 @@ as ``threadprobe2.py`` (2026-11-29) does, plus the host gauge over the load
 the host's CPU split, the CPU of every thread of the daemon's tree, and a ``py-spy`` of each
 worker (top frames, share under a forward).
 
-    PYTHONPATH=. .venv/bin/python bench/results/ray-worker-core-each-2026-12-02/coreprobe_each.py ROUNDS OUTDIR [KIND ...]
+    PYTHONPATH=. .venv/bin/python bench/results/ray-worker-core-each-2026-12-02/coreprobe_each.py ROUNDS OUTDIR [--no-spies] [KIND ...]
+
+``--no-spies``: no ``py-spy`` at all. Without it, the workers whose process name ``threadprobe2.workers``
+matches are spied: an adopted worker (``ray::StandbyRay``), an idle standby and ``mp``'s workers, but not
+the workers vLLM's Ray executor made (``ray::Supervised…``), so the kinds were not spied alike
+(found 2026-12-03; unspied rounds in ``no-spies.log`` and ``no-spies-2.log``).
 
 KINDS default to the two above; ``prefix_core_each_no_standby`` is Ray V2's with ``standby = "none"``;
 ``prefix_core_each_without_starter|idle|poll|starter_idle|starter_idle_preload`` are Ray V2's defaults with that part
@@ -36,7 +41,7 @@ NO_STANDBY = "prefix_core_each_no_standby"
 WITHOUT = {f"prefix_core_each_without_{part.replace(',', '_')}": part for part in ("starter", "idle", "poll", "starter,idle", "starter,idle,preload")}
 
 
-def one(kind: str, args, out: Path, r: int) -> None:
+def one(kind: str, args, out: Path, r: int, spy: bool = True) -> None:
     config, flags = pr.daemon_setup(pr.PREFIX_CORE_EACH if kind == NO_STANDBY or kind in WITHOUT else kind)
     env = dict(pr.CORE_EACH_ENV)
     if kind == NO_STANDBY:
@@ -48,7 +53,9 @@ def one(kind: str, args, out: Path, r: int) -> None:
         d.wait_ready(); d.wait_replicas_serving()
         if kind != NO_STANDBY and "idle" not in WITHOUT.get(kind, ""):
             d.wait_standby()
-        spies = tp.start_spies(tp.workers(d.proc.pid), out, r, kind)
+        # tp.workers matches the comm of adopted workers (StandbyRay) and mp's, not vLLM-made Ray ones
+        # (ray::Supervised...): without --no-spies only some kinds are spied
+        spies = tp.start_spies(tp.workers(d.proc.pid), out, r, kind) if spy else {}
         gauge = HostSpeed()
         i0, h0, t0 = tp.itl(d.base_url), tp.host(), tp.threads(d.proc.pid)
         row = pr.measure(d.base_url, args)
@@ -69,10 +76,11 @@ def main() -> None:
     rounds, out = int(sys.argv[1]), Path(sys.argv[2])
     out.mkdir(parents=True, exist_ok=True)
     args = pr.workload_parser().parse_args(["--client-nice", "-10", "--conversations", "128"])
-    kinds = sys.argv[3:] or [pr.PREFIX_CORE_EACH, pr.PREFIX_MP_CORE_EACH]
+    spy = "--no-spies" not in sys.argv[3:]
+    kinds = [k for k in sys.argv[3:] if k != "--no-spies"] or [pr.PREFIX_CORE_EACH, pr.PREFIX_MP_CORE_EACH]
     for r in range(rounds):
         for kind in (kinds if r % 2 == 0 else kinds[::-1]):
-            one(kind, args, out, r)
+            one(kind, args, out, r, spy)
 
 
 if __name__ == "__main__":
