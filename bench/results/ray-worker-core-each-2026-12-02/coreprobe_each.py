@@ -12,7 +12,7 @@ worker (top frames, share under a forward).
 ``--no-spies``: no ``py-spy`` at all. Without it, the workers whose process name ``threadprobe2.workers``
 matches are spied: an adopted worker (``ray::StandbyRay``), an idle standby and ``mp``'s workers, but not
 the workers vLLM's Ray executor made (``ray::Supervised…``), so the kinds were not spied alike
-(found 2026-12-03; unspied rounds in ``no-spies.log``, ``no-spies-2.log``, ``no-spies-parts.log``, ``no-spies-poll.log``).
+(found 2026-12-03; unspied rounds in ``no-spies.log``, ``no-spies-2.log``, ``no-spies-parts.log``, ``no-spies-poll.log``, ``no-spies-idle.log``).
 
 KINDS default to the two above; ``prefix_core_each_no_standby`` is Ray V2's with ``standby = "none"``;
 ``prefix_core_each_without_starter|idle|poll|starter_idle|starter_idle_preload`` are Ray V2's defaults with that part
