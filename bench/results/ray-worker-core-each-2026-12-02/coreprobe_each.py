@@ -23,6 +23,7 @@ is a per-step check in the worker for a poisoned request.
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import tempfile
 from pathlib import Path
@@ -41,7 +42,9 @@ NO_STANDBY = "prefix_core_each_no_standby"
 WITHOUT = {f"prefix_core_each_without_{part.replace(',', '_')}": part for part in ("starter", "idle", "poll", "starter,idle", "starter,idle,preload")}
 
 
-def one(kind: str, args, out: Path, r: int, spy: bool = True) -> None:
+@contextlib.contextmanager
+def serving(kind: str):
+    """The daemon of ``kind``, its replicas serving and its standby (if it has one) ready; stopped after."""
     config, flags = pr.daemon_setup(pr.PREFIX_CORE_EACH if kind == NO_STANDBY or kind in WITHOUT else kind)
     env = dict(pr.CORE_EACH_ENV)
     if kind == NO_STANDBY:
@@ -53,8 +56,12 @@ def one(kind: str, args, out: Path, r: int, spy: bool = True) -> None:
         d.wait_ready(); d.wait_replicas_serving()
         if kind != NO_STANDBY and "idle" not in WITHOUT.get(kind, ""):
             d.wait_standby()
-        # tp.workers matches the comm of adopted workers (StandbyRay) and mp's, not vLLM-made Ray ones
-        # (ray::Supervised...): without --no-spies only some kinds are spied
+        yield d
+        d.stop()
+
+
+def one(kind: str, args, out: Path, r: int, spy: bool = True) -> None:
+    with serving(kind) as d:
         spies = tp.start_spies(tp.workers(d.proc.pid), out, r, kind) if spy else {}
         gauge = HostSpeed()
         i0, h0, t0 = tp.itl(d.base_url), tp.host(), tp.threads(d.proc.pid)
@@ -69,7 +76,6 @@ def one(kind: str, args, out: Path, r: int, spy: bool = True) -> None:
               f"gauge matmul {speed['host_matmul_ms']:.1f} ms; host (cores): " + ", ".join(
                   f"{k} {(h1[k] - h0[k]) / 100 / took:.2f}" for k in h0), flush=True)
         tp.print_breakdown(t0, t1, spies, out, r, kind)
-        d.stop()
 
 
 def main() -> None:
