@@ -188,12 +188,19 @@ class Daemon:
             time.sleep(0.5)
         raise AssertionError(f"daemon not ready within {timeout_s} s:\n{self.tail()}")
 
-    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 90) -> tuple[int, float]:
-        """Send ``sig``; return (exit code, seconds to exit)."""
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 90, group: bool = False) -> tuple[int, float]:
+        """Send ``sig``; return (exit code, seconds to exit). ``group``: to the daemon's whole
+        process group, as a shell's job control (``kill %1``, Ctrl-C), ``timeout`` or
+        ``kill -- -PGID`` do: every process in it (Ray's and vLLM's too) gets it at once. Only
+        for a daemon in a session of its own (``own_session``), whose group is its alone."""
         started = time.monotonic()
         if self.proc.poll() is None:
             self.remember()
-            self.proc.send_signal(sig)
+            if group:
+                assert self.own_session, "a daemon in the test's own process group: the signal would reach the test"
+                os.killpg(self.proc.pid, sig)
+            else:
+                self.proc.send_signal(sig)
         try:
             code = self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
