@@ -18,12 +18,15 @@ KINDS default to the two above; ``prefix_core_each_no_standby`` is Ray V2's with
 ``prefix_core_each_without_starter|idle|poll|starter_idle|starter_idle_preload`` are Ray V2's defaults with that part
 (or both) of the warm standby left out (``supervisor.testhooks.standby_without``, as ``bench.serving_overhead`` does):
 the workers created by vLLM's executor instead of adopted; no standby prepared after the build;
-the ready standby not polled; the Ray agent not importing the workers' class. They run with the test hooks on, whose only other effect on serving
+the ready standby not polled; the Ray agent not importing the workers' class. ``prefix_core_each_standby_stopped``
+is the defaults with the ready standby's workers stopped (SIGSTOP) over the load, and let go on (SIGCONT) before the daemon stops. They run with the test hooks on, whose only other effect on serving
 is a per-step check in the worker for a poisoned request.
 """
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -39,13 +42,16 @@ from supervisor.testhooks import ENV, STANDBY_WITHOUT_ENV  # noqa: E402
 
 
 NO_STANDBY = "prefix_core_each_no_standby"
+# the defaults, with the ready standby's worker processes stopped (SIGSTOP) over the load: there,
+# asleep for good, not one wake-up (Ray's 10 ms signal check, gRPC's pollers); SIGCONT before the stop
+STOPPED = "prefix_core_each_standby_stopped"
 WITHOUT = {f"prefix_core_each_without_{part.replace(',', '_')}": part for part in ("starter", "idle", "poll", "starter,idle", "starter,idle,preload")}
 
 
 @contextlib.contextmanager
 def serving(kind: str):
     """The daemon of ``kind``, its replicas serving and its standby (if it has one) ready; stopped after."""
-    config, flags = pr.daemon_setup(pr.PREFIX_CORE_EACH if kind == NO_STANDBY or kind in WITHOUT else kind)
+    config, flags = pr.daemon_setup(pr.PREFIX_CORE_EACH if kind in (NO_STANDBY, STOPPED) or kind in WITHOUT else kind)
     env = dict(pr.CORE_EACH_ENV)
     if kind == NO_STANDBY:
         config["supervisor"]["standby"] = "none"
@@ -56,7 +62,16 @@ def serving(kind: str):
         d.wait_ready(); d.wait_replicas_serving()
         if kind != NO_STANDBY and "idle" not in WITHOUT.get(kind, ""):
             d.wait_standby()
-        yield d
+        stopped = [w["pid"] for w in d.status()["standby"]["workers"]] if kind == STOPPED else []
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            yield d
+        finally:
+            for pid in stopped:
+                os.kill(pid, signal.SIGCONT)
+        if stopped:
+            print(f"  standby workers {stopped} were stopped over the load", flush=True)
         d.stop()
 
 
