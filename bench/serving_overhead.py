@@ -86,21 +86,24 @@ LABELS = {"vllm_serve": "vllm serve", "daemon": "daemon (defaults)", "daemon_sta
           "daemon_kv_at_adoption": "daemon, standby_kv at_adoption",
           "daemon_without_starter": "daemon, standby: worker made cold", "daemon_without_idle": "daemon, standby: no idle standby",
           "daemon_without_poll": "daemon, standby: no liveness poll",
+          "daemon_without_park": "daemon, standby: workers not parked",
           "vllm_serve_mp": "vllm serve (mp)", "daemon_mp": "daemon (mp)"}
 # Each daemon is compared with `vllm serve` on the same executor: supervision's own cost is the
 # difference within each pair (Ray V2 with our executor class on the same Ray head; vLLM's `mp`).
 BASELINE = {"daemon": "vllm_serve", "daemon_standby_none": "vllm_serve", "daemon_kv_at_adoption": "vllm_serve",
             "daemon_without_starter": "vllm_serve", "daemon_without_idle": "vllm_serve",
-            "daemon_without_poll": "vllm_serve", "daemon_mp": "vllm_serve_mp"}
+            "daemon_without_poll": "vllm_serve", "daemon_without_park": "vllm_serve", "daemon_mp": "vllm_serve_mp"}
 # each daemon kind's `[supervisor]` settings besides the defaults
 SUPERVISOR = {"daemon": {}, "daemon_standby_none": {"standby": "none"}, "daemon_kv_at_adoption": {"standby_kv": "at_adoption"},
               "daemon_without_starter": {}, "daemon_without_idle": {}, "daemon_without_poll": {},
-              "daemon_mp": {"standby": "none"}}
+              "daemon_without_park": {}, "daemon_mp": {"standby": "none"}}
 # the warm standby's parts a daemon kind leaves out, to measure them apart (``supervisor.testhooks``:
 # the test hooks' switch on, the only other effect of which on serving is a per-step check in the
 # worker for a poisoned request): the workers made cold by vLLM's executor; no standby prepared
-# after the build (no fork server, idle worker or liveness poll); the ready standby not polled
-WITHOUT = {"daemon_without_starter": "starter", "daemon_without_idle": "idle", "daemon_without_poll": "poll"}
+# after the build (no fork server, idle worker or liveness poll); the ready standby not polled; its
+# workers not parked (awake in Ray's task loop, as before 2026-12-03)
+WITHOUT = {"daemon_without_starter": "starter", "daemon_without_idle": "idle", "daemon_without_poll": "poll",
+           "daemon_without_park": "park"}
 # `vllm serve` without --distributed-executor-backend is `mp` here: vLLM's CPU platform turns its
 # TP=1 default (`uni`, the model in the engine-core process) into `mp`, since OpenMP's binding is
 # set up for a worker process (vllm/platforms/cpu.py). On a GPU host it stays `uni`.

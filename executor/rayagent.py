@@ -149,6 +149,18 @@ class RayService(RayCluster):
 
         return [actor_state(a) for a in actor_ids]
 
+    def park_standby(self, actor_ids: list[str], wait_s: float = 30.0) -> list[list]:
+        """Park each ready standby worker (``StandbyRayWorkerProc.park``); returns the address
+        that wakes each, in order. The park's result is not awaited: it ends when woken."""
+        self.class_import.wait()
+        import ray
+
+        handles = [self.handles[a][1] for a in actor_ids]
+        addresses = ray.get([h.wake_address.remote() for h in handles], timeout=wait_s)
+        for h in handles:
+            h.park.remote()
+        return [list(a) for a in addresses]
+
     def kill_standby(self, actor_ids: list[str], wait_s: float) -> None:
         """Kill standby workers and wait (bounded) until Ray has released their names."""
         self.class_import.wait()

@@ -19,6 +19,9 @@ fault by the supervisor (its owner, so it dies with the daemon):
   runs (vLLM's workers run with Ray's ``NOSET_CUDA_VISIBLE_DEVICES`` and never set it; Ray
   sets nothing for an actor holding no GPU). A standby in which torch initialised CUDA
   anyway says so (``standby_info``) and refuses adoption;
+* parked once ready (``park``, a task that sleeps on a socket of its own): an idle actor's
+  main thread otherwise wakes 100 times a second in Ray's task loop; the daemon's claim wakes
+  it with one connection before the build calls it;
 * with the actor options vLLM's executor gives its workers (the runtime env above all: it
   takes effect when the process starts), computed by ``worker_options`` in the daemon,
   whose environment the next engine core starts with (the Ray agent that creates the
@@ -43,6 +46,8 @@ import gc
 import importlib
 import logging
 import os
+import select
+import socket
 import sys
 import time
 from typing import Any
@@ -57,6 +62,10 @@ from executor.ray_v2 import SupervisedRayWorkerProc
 # the "(EngineCore pid=…)" prefix) applies to these lines too; a logger outside it prints
 # warnings only.
 logger = logging.getLogger("vllm.supervisor.executor")
+
+# How long a parked standby waits for its wake-up before it parks again (``park``): the longest a
+# call that reached it without a wake-up waits.
+PARK_S = 2.0
 
 # The devices a standby does not see until adopted (CUDA's runtime and ROCm's HIP both read it).
 DEVICES_VAR = "CUDA_VISIBLE_DEVICES"
@@ -114,9 +123,64 @@ class StandbyRayWorkerProc(SupervisedRayWorkerProc):
         self._node_id = ray.get_runtime_context().get_node_id()
         self._claimed_ids: list[str] | None = None
         self._adopted = False
+        self._waker: socket.socket | None = None  # parked: the socket one connection wakes it by
+        self._awake = False  # woken, or called for anything but park: parks no more
+        self._parks = 0  # park calls that waited
         self._preload_s = time.monotonic() - started
 
+    # --- parked while idle ------------------------------------------------------------------
+    #
+    # An idle actor's main thread waits in Ray's task loop, which checks for Python signals every
+    # 10 ms (``CoreWorker.CheckSignal``, hard-coded): 100 wake-ups a second, two thirds of an idle
+    # standby's, for nothing. While a task runs, that loop does not: ``park`` is a task that
+    # waits on a socket, so the standby's main thread sleeps until one connection (the daemon's
+    # ``wake``, when it claims the standby) or ``PARK_S``, whichever comes first. Calls that reach
+    # the standby meanwhile queue behind the park; any of them ends the parking for good, so a
+    # call that came without a wake-up waits at most ``PARK_S``.
+
+    def wake_address(self) -> tuple[str, int]:
+        """The address a connection to which ends ``park``: a listening TCP socket on the node's
+        own address (where Ray's own ports listen), opened once."""
+        if self._waker is None:
+            ip = ray.util.get_node_ip_address()
+            self._waker = socket.create_server((ip, 0), family=socket.AF_INET6 if ":" in ip else socket.AF_INET,
+                                               backlog=8)
+        return self._waker.getsockname()[:2]
+
+    def park(self, wait_s: float = PARK_S) -> str:
+        """Wait for a wake-up (a connection to ``wake_address``) for up to ``wait_s``, then park
+        again (a call of this actor's own, queued behind whatever came meanwhile) unless woken.
+        Returns what ended it: "woken", "again", or "awake" (woken before, or called since)."""
+        if self._awake or self._adopted or self._waker is None:
+            return "awake"
+        self._parks += 1
+        readable, _, _ = select.select([self._waker], [], [], wait_s)
+        if readable:
+            self._wake_up()
+            logger.info("standby worker (pid %d) woken after %d park(s)", os.getpid(), self._parks)
+            return "woken"
+        self._park_again(wait_s)
+        return "again"
+
+    def _park_again(self, wait_s: float) -> None:
+        ray.get_runtime_context().current_actor.park.remote(wait_s)
+
+    def _wake_up(self) -> None:
+        """Parks no more: the waker's connections taken and the socket closed."""
+        self._awake = True
+        waker, self._waker = self._waker, None
+        if waker is None:
+            return
+        try:
+            waker.setblocking(False)
+            while True:
+                waker.accept()[0].close()
+        except OSError:  # BlockingIOError: none left
+            pass
+        waker.close()
+
     def standby_info(self) -> dict[str, Any]:
+        self._wake_up()
         return {"pid": os.getpid(), "preload_s": self._preload_s, "adopted": self._adopted, "heap_frozen": self._heap_frozen,
                 "cuda_initialized": self._cuda or cuda_initialized(), "created_with": self._created_with}
 
@@ -125,6 +189,7 @@ class StandbyRayWorkerProc(SupervisedRayWorkerProc):
         """Become the worker vLLM's executor would have created with ``init_kwargs`` on the
         node ``node_id`` (its bundle's), with the devices visible as before the preload, and
         its threads bound to ``binding``'s cores when given (``executor.cpu_binding.rebind``)."""
+        self._wake_up()
         if self._adopted:
             raise StandbyMismatch("this standby was adopted already")
         if node_id != self._node_id:

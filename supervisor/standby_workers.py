@@ -6,6 +6,7 @@ the standby calls them through ``asyncio.to_thread``."""
 from __future__ import annotations
 
 import pickle
+import socket
 import time
 from typing import Any, Callable
 
@@ -82,6 +83,27 @@ class StandbyWorkers:
 
     def states(self, workers: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return self.ray.call("standby_states", [w["actor_id"] for w in workers])
+
+    def park(self, workers: list[dict[str, Any]]) -> None:
+        """Park ready standby workers (``executor.standby``: their main threads sleep until
+        woken instead of waking 100 times a second); each gets its ``wake`` address."""
+        for w, address in zip(workers, self.ray.call("park_standby", [w["actor_id"] for w in workers])):
+            w["wake"] = tuple(address)
+
+    @staticmethod
+    def wake(workers: list[dict[str, Any]], timeout_s: float = 0.5) -> list[str]:
+        """Wake parked standby workers: one connection to each one's ``wake`` address. Returns
+        those it could not reach (a standby not woken ends its park itself within
+        ``executor.standby.PARK_S`` of the first call that reaches it)."""
+        missed = []
+        for w in workers:
+            if not w.get("wake"):
+                continue
+            try:
+                socket.create_connection(w["wake"], timeout=timeout_s).close()
+            except OSError as exc:
+                missed.append(f"{w['name']}: {type(exc).__name__}: {exc}"[:200])
+        return missed
 
     def kill(self, workers: list[dict[str, Any]], wait_s: float = 5.0) -> None:
         """Kill standby workers and wait (bounded) until Ray has released their names."""

@@ -15,7 +15,7 @@ it, so the request is established there when it holds (``supervisor.suspects``).
 
 Without the step clock (``VLLM_SUPERVISOR_TEST_TOKEN_CLOCK=1``): tokens are the probe's clock.
 
-Parts of the warm standby left out (``VLLM_SUPERVISOR_TEST_STANDBY_WITHOUT=starter,idle,poll,preload``), so
+Parts of the warm standby left out (``VLLM_SUPERVISOR_TEST_STANDBY_WITHOUT=starter,idle,poll,preload,park``), so
 that ``bench.serving_overhead`` measures what each costs a serving engine (``standby_without``).
 
 The executor's own hooks (which death report comes first) live in ``executor.testhooks``."""
@@ -32,7 +32,7 @@ HOLD_AFTER = "supervisor_test_hold_after"
 HOLD_ENGINES = "supervisor_test_hold_engines"
 TOKEN_CLOCK_ENV = "VLLM_SUPERVISOR_TEST_TOKEN_CLOCK"
 STANDBY_WITHOUT_ENV = "VLLM_SUPERVISOR_TEST_STANDBY_WITHOUT"
-STANDBY_PARTS = ("starter", "idle", "poll", "preload")
+STANDBY_PARTS = ("starter", "idle", "poll", "preload", "park")
 
 
 def token_clock_only() -> bool:
@@ -51,7 +51,8 @@ def standby_without() -> frozenset[str]:
     ``standby = "none"``, not through the Ray agent; ``idle``, no standby prepared after a
     build (no fork server, idle worker or liveness poll); ``poll``, a ready standby's liveness
     not polled; ``preload``, the Ray agent not importing the worker class (vLLM, torch) ahead
-    of the first creation (with ``starter`` and ``idle`` out: never). An unknown part is an error, so a bench cannot measure a misspelt one."""
+    of the first creation (with ``starter`` and ``idle`` out: never); ``park``, a ready standby's
+    workers not parked (``executor.standby``: they wait awake, as any Ray actor). An unknown part is an error, so a bench cannot measure a misspelt one."""
     import os
 
     if not enabled():

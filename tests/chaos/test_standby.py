@@ -59,6 +59,20 @@ def rss_bytes(pid: int) -> int:
     raise AssertionError(f"no VmRSS for pid {pid}")
 
 
+def main_thread_switches(pid: int, window_s: float) -> int:
+    """How often a process's main thread gave up its core by itself (it went to sleep: each
+    wake-up from a wait counts one) over ``window_s``, from ``/proc``."""
+    def switches() -> int:
+        for line in open(f"/proc/{pid}/task/{pid}/status"):
+            if line.startswith("voluntary_ctxt_switches:"):
+                return int(line.split()[1])
+        raise AssertionError(f"no voluntary_ctxt_switches for pid {pid}")
+
+    before = switches()
+    time.sleep(window_s)
+    return switches() - before
+
+
 def worker_log(pid: int, waiting_for: str, timeout_s: float = 15.0) -> str:
     """A Ray worker's stdout log (``<temp dir>/session_*/logs/worker-*-<pid>.out``: the tests'
     heads use Ray's default temp dir), once it holds ``waiting_for``, else as it is."""
@@ -115,6 +129,10 @@ def test_kill_is_recovered_in_the_standby_process(tp1, ray_head):
     # daemon's default KV size on CPU is 1 GiB)
     reserved_rss = rss_bytes(standby_pids[0])
     assert reserved_rss > GiB, f"standby worker's RSS {reserved_rss / GiB:.2f} GiB: its KV memory is not reserved"
+    # parked: its main thread sleeps on the wake-up socket instead of Ray's 10 ms signal check
+    # (about 100 wake-ups a second awake; the park itself ends every PARK_S = 2 s)
+    woke = main_thread_switches(standby_pids[0], 3.0)
+    assert woke < 30, f"the ready standby's main thread woke {woke} times in 3 s: it is not parked"
 
     records, info = asyncio.run(run_with_fault(daemon.base_url, 4, MAX_TOKENS, lambda: inject.kill_worker(ray_head.address, rank=0)))
     after = daemon.wait_generation(gen + 1)
@@ -132,6 +150,9 @@ def test_kill_is_recovered_in_the_standby_process(tp1, ray_head):
     # and its KV cache is that reserve, not a second GiB faulted in on the recovery's path: the
     # worker says so in its Ray log, where an operator reads it, and did not grow by another GiB
     assert "KV cache allocated from the standby's reserve" in worker_log(standby_pids[0], "standby's reserve")
+    # woken by the claim, not by its park's end with the build's first call waiting behind it
+    assert re.search(r"standby worker \(pid \d+\) woken after \d+ park", worker_log(standby_pids[0], "woken after"))
+    assert "could not wake a parked standby worker" not in daemon.log_path.read_text(errors="replace")
     grown = rss_bytes(standby_pids[0]) - reserved_rss
     assert grown < GiB / 2, f"the adopted worker grew by {grown / GiB:.2f} GiB: its KV cache was allocated again"
     assert after["standby"]["adoptions"]["adopted"] >= 1

@@ -35,6 +35,8 @@ def test_standby_is_prepared_adopted_and_prepared_again(tmp_path):
         assert await collect(sup, [1, 2], 20, kill_at_5) == reference([1, 2], 20)
         assert b.claims[1] == (2, {"namespace": "fake-ns", "forkserver": True})
         assert b.serving[2] == b.standby_made[0]["actor_id"]  # generation 2 runs in the standby
+        # it was parked once ready, and woken by the claim before the build called it
+        assert b.woken == [b.standby_made[0]["actor_id"]] and b.adopted_parked == []
         assert sup.recoveries[0]["standby"] == {"result": "adopted", "adopted_ranks": [0]}
         assert sup.standby.adoptions == {"adopted": 1, "cold": 0}
         await wait_for(lambda: sup.standby.state is StandbyState.READY and sup.standby.generation == 3)
@@ -169,7 +171,8 @@ def test_a_failed_start_of_the_builds_own_workers_leaves_none_and_the_build_goes
 def test_a_bench_can_leave_each_standby_part_out_only_with_the_hooks_on(tmp_path, monkeypatch):
     """``VLLM_SUPERVISOR_TEST_STANDBY_WITHOUT`` (bench.serving_overhead measures the parts apart):
     ``starter``, the build's workers made by vLLM's executor; ``idle``, no standby after the build;
-    ``poll``, a ready standby not watched; ``preload``, the workers' class not imported ahead. Without the hooks' switch it changes nothing."""
+    ``poll``, a ready standby not watched; ``preload``, the workers' class not imported ahead;
+    ``park``, a ready standby's workers not parked. Without the hooks' switch it changes nothing."""
     import pytest
 
     from supervisor import testhooks
@@ -200,6 +203,11 @@ def test_a_bench_can_leave_each_standby_part_out_only_with_the_hooks_on(tmp_path
         sup.builder.actor_states[sup.builder.standby_made[0]["actor_id"]] = "DEAD"
         await asyncio.sleep(2.5)  # watched, it is replaced within about 2 s (the test above)
         assert sup.standby.replacements == 0 and len(sup.builder.standby_made) == 1
+        owner.cancel()
+
+        sup, owner = await started("park")
+        await wait_for(lambda: sup.standby.state is StandbyState.READY)
+        assert sup.builder.parked == set() and "wake" not in sup.standby.workers[0]  # waits awake
         owner.cancel()
 
         sup, owner = await started("starter,idle,preload")

@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
@@ -467,3 +468,76 @@ def test_each_standby_worker_reserves_the_kv_size_its_engine_allocates(monkeypat
     assert standby.kv_reserve_bytes(config(None)) == 0
     monkeypatch.setattr(standby.current_platform, "is_cpu", lambda: False)
     assert standby.kv_reserve_bytes(config(3 * 2**30)) == 0
+
+
+# --- parked while idle ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def parked_standby(standby_module, monkeypatch):
+    """A standby worker (no Ray: its node address is loopback, its park's re-submission recorded)."""
+    monkeypatch.setattr(standby_module.ray.util, "get_node_ip_address", lambda: "127.0.0.1")
+    monkeypatch.setattr(standby_module.SupervisedRayWorkerProc, "__init__", lambda self, **kw: None)
+    worker = standby_module.StandbyRayWorkerProc([], {})
+    worker.again = []
+    worker._park_again = worker.again.append
+    yield worker
+    if worker._waker is not None:
+        worker._waker.close()
+
+
+def park_on_a_thread(worker, wait_s: float):
+    result: list[str] = []
+    thread = threading.Thread(target=lambda: result.append(worker.park(wait_s)), daemon=True)
+    thread.start()
+    return thread, result
+
+
+def test_a_parked_standby_sleeps_until_one_connection_wakes_it(parked_standby):
+    import socket
+
+    address = parked_standby.wake_address()
+    assert address[0] == "127.0.0.1" and parked_standby.wake_address() == address  # opened once
+    thread, result = park_on_a_thread(parked_standby, 60.0)
+    thread.join(0.5)
+    assert thread.is_alive() and result == []  # parked
+    socket.create_connection(address, timeout=1).close()  # StandbyWorkers.wake
+    thread.join(10)
+    assert result == ["woken"] and parked_standby.again == [] and parked_standby._parks == 1
+    # woken for good: a park queued behind it returns at once, and the socket is closed
+    assert parked_standby.park(60.0) == "awake"
+    with pytest.raises(OSError):
+        socket.create_connection(address, timeout=1)
+
+
+def test_a_wake_up_before_the_park_starts_is_not_lost(parked_standby):
+    import socket
+
+    address = parked_standby.wake_address()
+    socket.create_connection(address, timeout=1).close()  # the claim's connection came first
+    assert parked_standby.park(60.0) == "woken"
+
+
+def test_a_park_nobody_ends_parks_again_behind_the_calls_that_came(parked_standby):
+    parked_standby.wake_address()
+    assert parked_standby.park(0.05) == "again" and parked_standby.again == [0.05]
+
+
+@pytest.mark.parametrize("call", ["standby_info", "adopt"])
+def test_any_call_that_reaches_a_parked_standby_ends_its_parking(parked_standby, call):
+    """A build that calls a standby nobody woke waits for the park it queued behind (at most
+    PARK_S), and then no more: the park re-submitted behind its call returns at once."""
+    import socket
+
+    address = parked_standby.wake_address()
+    if call == "standby_info":
+        parked_standby.standby_info()
+    else:
+        parked_standby.adopt("node-a", None, rank=0)
+    assert parked_standby.park(60.0) == "awake" and parked_standby.again == []
+    with pytest.raises(OSError):
+        socket.create_connection(address, timeout=1)
+
+
+def test_a_standby_never_asked_for_its_address_does_not_park(parked_standby):
+    assert parked_standby.park(60.0) == "awake"

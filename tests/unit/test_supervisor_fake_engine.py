@@ -284,6 +284,18 @@ class FakeStandbyWorkers:
         for w in workers:
             self.b.actor_states[w["actor_id"]] = "DEAD"
 
+    def park(self, workers):
+        for w in workers:
+            self.b.parked.add(w["actor_id"])
+            w["wake"] = ("127.0.0.1", 9)
+
+    def wake(self, workers):
+        for w in workers:
+            if w["actor_id"] in self.b.parked:
+                self.b.parked.discard(w["actor_id"])
+                self.b.woken.append(w["actor_id"])
+        return []
+
     starter = StandbyWorkers.starter  # the real one, on these fake actors
 
     def class_import(self):
@@ -313,6 +325,9 @@ class FakeBuilder:
         self.standby_made: list[dict] = []
         self.started_early: list[dict] = []  # workers builds started for themselves (StandbyWorkers.starter)
         self.actor_states: dict[str, str] = {}
+        self.parked: set[str] = set()  # standby actors parked and not woken (StandbyWorkers.park)
+        self.woken: list[str] = []
+        self.adopted_parked: list[str] = []  # adopted while still parked: the build would have waited
         self.serving: dict[int, str] = {}  # generation -> actor id of its worker
         self.ray = FakeRayLink(self.serving)
         self.standby_workers = FakeStandbyWorkers(self)
@@ -338,6 +353,8 @@ class FakeBuilder:
         live = [w for w in self.standby_made + self.started_early
                 if w["name"] == f"w-g{number}" and self.actor_states[w["actor_id"]] == "ALIVE"]
         self.serving[number] = live[-1]["actor_id"] if namespace and live else f"cold-{number}"
+        if self.serving[number] in self.parked:
+            self.adopted_parked.append(self.serving[number])
         return Generation(number, f"fake-g{number}", engine, set(), 0.05, replica=replica, epoch=self.config_epoch)
 
     def front(self, engine):
