@@ -192,7 +192,10 @@ class SupervisedRayExecutor(DeathReporter, _v2.RayExecutorV2):
         if claim is not None:
             self._claims.append((claim, [pid]))
         self.adopted[init_kwargs["rank"]] = pid
-        logger.info("adopted standby %s (pid %d) for rank %d", name, pid, init_kwargs["rank"])
+        parking = info.get("parking") or {}
+        logger.info("adopted standby %s (pid %d) for rank %d; %s", name, pid, init_kwargs["rank"],
+                    f"parked {parking['parks']} time(s), woken by {parking['woken_by']}" if parking.get("parks")
+                    else "not parked")
         return handle
 
     # --- CPU support -----------------------------------------------------------------

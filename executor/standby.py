@@ -126,6 +126,7 @@ class StandbyRayWorkerProc(SupervisedRayWorkerProc):
         self._waker: socket.socket | None = None  # parked: the socket one connection wakes it by
         self._awake = False  # woken, or called for anything but park: parks no more
         self._parks = 0  # park calls that waited
+        self._woken_by = ""  # what ended the parking ("a connection": the daemon's wake-up)
         self._preload_s = time.monotonic() - started
 
     # --- parked while idle ------------------------------------------------------------------
@@ -156,8 +157,7 @@ class StandbyRayWorkerProc(SupervisedRayWorkerProc):
         self._parks += 1
         readable, _, _ = select.select([self._waker], [], [], wait_s)
         if readable:
-            self._wake_up()
-            logger.info("standby worker (pid %d) woken after %d park(s)", os.getpid(), self._parks)
+            self._wake_up("a connection")
             return "woken"
         self._park_again(wait_s)
         return "again"
@@ -165,8 +165,11 @@ class StandbyRayWorkerProc(SupervisedRayWorkerProc):
     def _park_again(self, wait_s: float) -> None:
         ray.get_runtime_context().current_actor.park.remote(wait_s)
 
-    def _wake_up(self) -> None:
-        """Parks no more: the waker's connections taken and the socket closed."""
+    def _wake_up(self, by: str) -> None:
+        """Parks no more: the waker's connections taken and the socket closed; ``by``: what
+        ended the parking, kept the first time (``standby_info``'s ``parking``)."""
+        if not self._awake and self._parks:
+            self._woken_by = by
         self._awake = True
         waker, self._waker = self._waker, None
         if waker is None:
@@ -180,16 +183,17 @@ class StandbyRayWorkerProc(SupervisedRayWorkerProc):
         waker.close()
 
     def standby_info(self) -> dict[str, Any]:
-        self._wake_up()
+        self._wake_up("standby_info")
         return {"pid": os.getpid(), "preload_s": self._preload_s, "adopted": self._adopted, "heap_frozen": self._heap_frozen,
-                "cuda_initialized": self._cuda or cuda_initialized(), "created_with": self._created_with}
+                "cuda_initialized": self._cuda or cuda_initialized(), "created_with": self._created_with,
+                "parking": {"parks": self._parks, "woken_by": self._woken_by}}
 
     def adopt(self, node_id: str, claimed_ids: list[str] | None, binding: dict[str, str] | None = None,
               **init_kwargs: Any) -> int:
         """Become the worker vLLM's executor would have created with ``init_kwargs`` on the
         node ``node_id`` (its bundle's), with the devices visible as before the preload, and
         its threads bound to ``binding``'s cores when given (``executor.cpu_binding.rebind``)."""
-        self._wake_up()
+        self._wake_up("adopt")
         if self._adopted:
             raise StandbyMismatch("this standby was adopted already")
         if node_id != self._node_id:

@@ -150,9 +150,11 @@ def test_kill_is_recovered_in_the_standby_process(tp1, ray_head):
     # and its KV cache is that reserve, not a second GiB faulted in on the recovery's path: the
     # worker says so in its Ray log, where an operator reads it, and did not grow by another GiB
     assert "KV cache allocated from the standby's reserve" in worker_log(standby_pids[0], "standby's reserve")
-    # woken by the claim, not by its park's end with the build's first call waiting behind it
-    assert re.search(r"standby worker \(pid \d+\) woken after \d+ park", worker_log(standby_pids[0], "woken after"))
-    assert "could not wake a parked standby worker" not in daemon.log_path.read_text(errors="replace")
+    # woken by the claim's connection, not by its park's end with the build's first call waiting behind it
+    log = daemon.log_path.read_text(errors="replace")
+    adopted = [line for line in log.splitlines() if f"(pid {standby_pids[0]}) for rank 0" in line]
+    assert adopted and re.search(r"parked \d+ time\(s\), woken by a connection", adopted[-1]), adopted
+    assert "could not wake a parked standby worker" not in log
     grown = rss_bytes(standby_pids[0]) - reserved_rss
     assert grown < GiB / 2, f"the adopted worker grew by {grown / GiB:.2f} GiB: its KV cache was allocated again"
     assert after["standby"]["adoptions"]["adopted"] >= 1

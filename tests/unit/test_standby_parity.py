@@ -503,7 +503,8 @@ def test_a_parked_standby_sleeps_until_one_connection_wakes_it(parked_standby):
     assert thread.is_alive() and result == []  # parked
     socket.create_connection(address, timeout=1).close()  # StandbyWorkers.wake
     thread.join(10)
-    assert result == ["woken"] and parked_standby.again == [] and parked_standby._parks == 1
+    assert result == ["woken"] and parked_standby.again == []
+    assert parked_standby.standby_info()["parking"] == {"parks": 1, "woken_by": "a connection"}
     # woken for good: a park queued behind it returns at once, and the socket is closed
     assert parked_standby.park(60.0) == "awake"
     with pytest.raises(OSError):
@@ -530,11 +531,13 @@ def test_any_call_that_reaches_a_parked_standby_ends_its_parking(parked_standby,
     import socket
 
     address = parked_standby.wake_address()
+    assert parked_standby.park(0.01) == "again"  # parked once, nobody woke it
     if call == "standby_info":
         parked_standby.standby_info()
     else:
         parked_standby.adopt("node-a", None, rank=0)
-    assert parked_standby.park(60.0) == "awake" and parked_standby.again == []
+    assert parked_standby.park(60.0) == "awake" and parked_standby.again == [0.01]
+    assert parked_standby.standby_info()["parking"] == {"parks": 1, "woken_by": call}
     with pytest.raises(OSError):
         socket.create_connection(address, timeout=1)
 

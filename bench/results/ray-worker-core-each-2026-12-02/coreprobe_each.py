@@ -15,10 +15,11 @@ the workers vLLM's Ray executor made (``ray::Supervised…``), so the kinds were
 (found 2026-12-03; unspied rounds in ``no-spies.log``, ``no-spies-2.log``, ``no-spies-parts.log``, ``no-spies-poll.log``, ``no-spies-idle.log``).
 
 KINDS default to the two above; ``prefix_core_each_no_standby`` is Ray V2's with ``standby = "none"``;
-``prefix_core_each_without_starter|idle|poll|starter_idle|starter_idle_preload`` are Ray V2's defaults with that part
+``prefix_core_each_without_starter|idle|poll|park|starter_idle|starter_idle_preload`` are Ray V2's defaults with that part
 (or both) of the warm standby left out (``supervisor.testhooks.standby_without``, as ``bench.serving_overhead`` does):
 the workers created by vLLM's executor instead of adopted; no standby prepared after the build;
-the ready standby not polled; the Ray agent not importing the workers' class. ``prefix_core_each_standby_stopped``
+the ready standby not polled; its workers not parked (awake in Ray's task loop, as before 2026-12-03); the Ray
+agent not importing the workers' class. ``prefix_core_each_standby_stopped``
 is the defaults with the ready standby's workers stopped (SIGSTOP) over the load, and let go on (SIGCONT) before the daemon stops. They run with the test hooks on, whose only other effect on serving
 is a per-step check in the worker for a poisoned request.
 """
@@ -45,7 +46,7 @@ NO_STANDBY = "prefix_core_each_no_standby"
 # the defaults, with the ready standby's worker processes stopped (SIGSTOP) over the load: there,
 # asleep for good, not one wake-up (Ray's 10 ms signal check, gRPC's pollers); SIGCONT before the stop
 STOPPED = "prefix_core_each_standby_stopped"
-WITHOUT = {f"prefix_core_each_without_{part.replace(',', '_')}": part for part in ("starter", "idle", "poll", "starter,idle", "starter,idle,preload")}
+WITHOUT = {f"prefix_core_each_without_{part.replace(',', '_')}": part for part in ("starter", "idle", "poll", "park", "starter,idle", "starter,idle,preload")}
 
 
 @contextlib.contextmanager
