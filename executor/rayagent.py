@@ -149,7 +149,7 @@ class RayService(RayCluster):
 
         return [actor_state(a) for a in actor_ids]
 
-    def park_standby(self, actor_ids: list[str], wait_s: float = 30.0) -> list[list]:
+    def park_standby(self, actor_ids: list[str], wait_s: float = 5.0) -> list[list]:
         """Park each ready standby worker (``StandbyRayWorkerProc.park``); returns the address
         that wakes each, in order. The park's result is not awaited: it ends when woken."""
         self.class_import.wait()

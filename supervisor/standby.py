@@ -160,7 +160,7 @@ class Standby:
             self._to(StandbyState.ADOPTING, f"building generation {generation}")
         elif self.state in (StandbyState.PREPARING, StandbyState.READY, StandbyState.ADOPTING):
             return {"namespace": None, "forkserver": await asyncio.to_thread(self.host.forkserver_alive)}
-        async with self._creating:  # an actor creation (or park) in flight finishes first
+        async with self._creating:  # an actor creation in flight finishes first
             await self._cancel()
         if mine and self.workers:  # parked ones wake before the build calls them
             missed = await asyncio.to_thread(self.host.wake, self.workers)
@@ -295,12 +295,14 @@ class Standby:
                 break
             await asyncio.sleep(POLL_S / 2)
         if self.host.uses_ray and "park" not in self._without:
-            async with self._creating:  # a claim meanwhile waits for it, then wakes them
-                try:
-                    await asyncio.to_thread(self.host.park, self.workers)
-                except Exception as exc:  # not parked: it waits as an actor does, awake
-                    log.warning("could not park the standby's workers; they wait awake",
-                                error=f"{type(exc).__name__}: {exc}"[:300])
+            # Not under the creation's lock: a claim must not wait for a standby that does not
+            # answer. One that lands while this call is in flight may find a worker parked after
+            # its wake-up; the build's first call to it then waits for that park's end (PARK_S).
+            try:
+                await asyncio.to_thread(self.host.park, self.workers)
+            except Exception as exc:  # not parked: it waits as an actor does, awake
+                log.warning("could not park the standby's workers; they wait awake",
+                            error=f"{type(exc).__name__}: {exc}"[:300])
         self.ready_after_s = time.monotonic() - started
         self._to(StandbyState.READY, f"ready in {self.ready_after_s:.1f} s")
         log.info("standby ready", for_generation=generation, took_s=round(self.ready_after_s, 2),

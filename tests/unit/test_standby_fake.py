@@ -224,3 +224,27 @@ def test_a_bench_can_leave_each_standby_part_out_only_with_the_hooks_on(tmp_path
     monkeypatch.setenv(testhooks.STANDBY_WITHOUT_ENV, "starter,idel")
     with pytest.raises(ValueError, match="idel"):
         testhooks.standby_without()
+
+
+def test_wake_connects_once_to_each_parked_worker_and_names_those_it_cannot_reach():
+    """``StandbyWorkers.wake`` (the claim's wake-up of a parked standby, ``executor.standby.park``):
+    one connection to each worker's address; a worker it cannot reach is named, not raised, and a
+    worker that was never parked is left alone."""
+    import socket
+
+    from supervisor.standby_workers import StandbyWorkers
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    gone = socket.create_server(("127.0.0.1", 0))
+    gone_address = gone.getsockname()
+    gone.close()
+    workers = [{"name": "w0", "wake": listener.getsockname()}, {"name": "w1", "wake": gone_address}, {"name": "w2"}]
+    missed = StandbyWorkers.wake(workers)
+    assert len(missed) == 1 and missed[0].startswith("w1: ConnectionRefusedError"), missed
+    listener.setblocking(False)
+    listener.accept()[0].close()  # w0's one connection is there
+    import pytest
+
+    with pytest.raises(BlockingIOError):
+        listener.accept()  # and only one
+    listener.close()
