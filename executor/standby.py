@@ -152,7 +152,7 @@ class StandbyRayWorkerProc(SupervisedRayWorkerProc):
         """Wait for a wake-up (a connection to ``wake_address``) for up to ``wait_s``, then park
         again (a call of this actor's own, queued behind whatever came meanwhile) unless woken.
         Returns what ended it: "woken", "again", or "awake" (woken before, or called since)."""
-        if self._awake or self._adopted or self._waker is None:
+        if self._awake or self._waker is None:  # adopt, as any call, woke it for good
             return "awake"
         self._parks += 1
         readable, _, _ = select.select([self._waker], [], [], wait_s)

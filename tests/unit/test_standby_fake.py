@@ -232,6 +232,8 @@ def test_wake_connects_once_to_each_parked_worker_and_names_those_it_cannot_reac
     worker that was never parked is left alone."""
     import socket
 
+    import pytest
+
     from supervisor.standby_workers import StandbyWorkers
 
     listener = socket.create_server(("127.0.0.1", 0))
@@ -243,8 +245,6 @@ def test_wake_connects_once_to_each_parked_worker_and_names_those_it_cannot_reac
     assert len(missed) == 1 and missed[0].startswith("w1: ConnectionRefusedError"), missed
     listener.setblocking(False)
     listener.accept()[0].close()  # w0's one connection is there
-    import pytest
-
     with pytest.raises(BlockingIOError):
         listener.accept()  # and only one
     listener.close()
