@@ -78,6 +78,24 @@ def inspect(address: str, match: str = "") -> dict:
     return {"placement_groups": pgs, "actors": actors}
 
 
+def task_records(address: str, match: str = "") -> dict[str, int]:
+    """The cluster's task table, as ``ray list tasks`` reads it (the GCS's task events): how
+    many records each task name has, for the names that contain ``match``."""
+    _connect(address)
+    import ray
+    from ray._private.grpc_utils import init_grpc_channel
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+    channel = init_grpc_channel(ray.get_runtime_context().gcs_address)
+    try:
+        stub = gcs_service_pb2_grpc.TaskInfoGcsServiceStub(channel)
+        reply = stub.GetTaskEvents(gcs_service_pb2.GetTaskEventsRequest(limit=100_000), timeout=30)
+    finally:
+        channel.close()
+    names = [e.task_info.name for e in reply.events_by_task if match in e.task_info.name]
+    return {n: names.count(n) for n in sorted(set(names))}
+
+
 def _generation_of(name: str) -> tuple[str, int]:
     """(daemon id, generation) from a worker actor name ``vllm_Worker_<daemon>-g<N>[_TP<r>]``."""
     instance = re.sub(r"(_TP\d+|_PP\d+|_PCP\d+)+$", "", name.removeprefix(WORKER_PREFIX))

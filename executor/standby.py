@@ -148,6 +148,10 @@ class StandbyRayWorkerProc(SupervisedRayWorkerProc):
                                                backlog=8)
         return self._waker.getsockname()[:2]
 
+    # No task events: a park every ``PARK_S`` would otherwise put 1,800 task records an hour per
+    # worker into the GCS's task table (kept up to Ray's ``task_events_max_num_task_in_gcs``,
+    # 100,000, oldest dropped first), crowding the operator's own tasks out of ``ray list tasks``.
+    @ray.method(enable_task_events=False)
     def park(self, wait_s: float = PARK_S) -> str:
         """Wait for a wake-up (a connection to ``wake_address``) for up to ``wait_s``, then park
         again (a call of this actor's own, queued behind whatever came meanwhile) unless woken.

@@ -133,6 +133,9 @@ def test_kill_is_recovered_in_the_standby_process(tp1, ray_head):
     # (about 100 wake-ups a second awake; the park itself ends every PARK_S = 2 s)
     woke = main_thread_switches(standby_pids[0], 3.0)
     assert woke < 30, f"the ready standby's main thread woke {woke} times in 3 s: it is not parked"
+    # and its parks (one every PARK_S) leave no record in the cluster's task table, where they
+    # would crowd an operator's own tasks out of `ray list tasks` (1,800 an hour per worker)
+    assert inject.task_records(ray_head.address, "park") == {}, "the standby's parks are recorded as Ray tasks"
 
     records, info = asyncio.run(run_with_fault(daemon.base_url, 4, MAX_TOKENS, lambda: inject.kill_worker(ray_head.address, rank=0)))
     after = daemon.wait_generation(gen + 1)
