@@ -486,10 +486,12 @@ def main() -> int:
         runs = (run_interleaved if args.interleave else run_rounds)(kinds, work, head, args)
     except BaseException:
         traceback.print_exc()
+        print(f"the servers' logs are kept in {work}", flush=True)
         raise
     finally:
         inject.disconnect()
         head.stop()
+    shutil.rmtree(work, ignore_errors=True)  # the servers' logs and configs: each round's figures are in `runs`
     rows = []
     for key, label, better in METRICS:
         row = {"metric": label, "key": key, "better": better, **{k: [x[key] for x in runs[k]] for k in kinds}}
