@@ -3,6 +3,7 @@ what it leaves behind. Shared by the integration and chaos tests."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -434,3 +435,11 @@ class RayHead:
         deadline = time.monotonic() + 20
         while marked_pids(self.marker) and time.monotonic() < deadline:
             time.sleep(0.2)
+        # `ray start` wrote this head's address where a plain `ray.init()` on this machine looks for a
+        # cluster; `ray stop` would remove it (`reset_ray_address`), a reap does not
+        from ray._common.utils import get_ray_address_file
+
+        with contextlib.suppress(OSError):
+            address_file = Path(get_ray_address_file(None))
+            if address_file.read_text().strip().endswith(f":{self.port}"):
+                address_file.unlink()
