@@ -3,21 +3,25 @@ of 2 CPUs (as ``bench/results/standby-idle-threads-2026-11-29/threads.py`` start
 ready, then ``window`` seconds without a request: the CPU of the head's ``gcs_server`` and of the
 standby's Ray worker over the window (``/proc/<pid>/stat``), and the records of ``park`` in the
 cluster's task table at its end (``chaos.inject.task_records``, what ``ray list tasks`` reads).
-Run once per checkout, the daemon's code from ``PYTHONPATH``:
+Run once per checkout, the daemon's code from ``PYTHONPATH`` (``gcs.log``'s rounds ran this probe before it was made to
+reuse the 2026-11-29 probe's daemon, which starts the same daemon on the same head):
 
     PYTHONPATH=/path/to/checkout .venv/bin/python bench/results/standby-park-events-2026-12-03/gcs.py LABEL [window_s]
 """
 
+import importlib.util
 import os
-import shutil
 import sys
-import tempfile
 import time
+import tomllib
 from pathlib import Path
 
-from bench.serving_overhead import start
 from chaos import inject
-from chaos.harness import RayHead
+
+_spec = importlib.util.spec_from_file_location(
+    "threads_1129", Path(__file__).parents[1] / "standby-idle-threads-2026-11-29" / "threads.py")
+_before = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_before)
 
 TICK_MS = 1000 / os.sysconf("SC_CLK_TCK")
 
@@ -27,7 +31,7 @@ def cpu_ms(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) * TICK_MS  # utime + stime
 
 
-def gcs_pid(port: int) -> int:
+def gcs_pid(port: str) -> int:
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             if f"--gcs_server_port={port}".encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
@@ -39,26 +43,17 @@ def gcs_pid(port: int) -> int:
 
 def main() -> None:
     label, window = sys.argv[1], float(sys.argv[2]) if len(sys.argv) > 2 else 60.0
-    work = Path(tempfile.mkdtemp(prefix="park-events-"))
-    head = RayHead(num_cpus=2).start()
-    try:
-        server = start("daemon", work, head)
-        try:
-            time.sleep(5)
-            pids = {"gcs_server": gcs_pid(head.port), "standby worker": server.status()["standby"]["workers"][0]["pid"]}
-            before = {k: cpu_ms(p) for k, p in pids.items()}
-            records0 = sum(inject.task_records(head.address, "park").values())
-            time.sleep(window)
-            cpu = {k: (cpu_ms(p) - before[k]) / window for k, p in pids.items()}
-            records = sum(inject.task_records(head.address, "park").values())
-            inject.disconnect()
-            print(f"{label}: {window:.0f} s idle, CPU ms/s: " + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items())
-                  + f"; park records in the task table {records0} -> {records}", flush=True)
-        finally:
-            server.stop()
-    finally:
-        head.stop()
-        shutil.rmtree(work, ignore_errors=True)
+    with _before.settled_daemon("daemon") as server:
+        address = tomllib.loads(server.config_path.read_text())["ray"]["address"]
+        pids = {"gcs_server": gcs_pid(address.rsplit(":", 1)[1]), "standby worker": server.status()["standby"]["workers"][0]["pid"]}
+        before = {k: cpu_ms(p) for k, p in pids.items()}
+        records0 = sum(inject.task_records(address, "park").values())
+        time.sleep(window)
+        cpu = {k: (cpu_ms(p) - before[k]) / window for k, p in pids.items()}
+        records = sum(inject.task_records(address, "park").values())
+        inject.disconnect()
+    print(f"{label}: {window:.0f} s idle, CPU ms/s: " + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items())
+          + f"; park records in the task table {records0} -> {records}", flush=True)
 
 
 if __name__ == "__main__":
