@@ -316,10 +316,13 @@ def create_standby_workers(vllm_config: Any, placement_group: Any, instance_id: 
 
 def actor_state(actor_id: str) -> dict:
     """Ray's GCS record of one actor: ``State`` (PENDING_CREATION, ALIVE, DEAD, ...), ``Pid``,
-    and the death cause when dead."""
+    the death cause when dead, and whether it runs on its owner's node (``local``: for the
+    standby's workers, whose owner is the daemon's Ray agent, the daemon's host, where its
+    ``Pid`` names the process)."""
     from ray._private import state
 
     info = state.actors(actor_id=actor_id) or {}
     death = info.get("DeathCause") or {}
+    node, owner = (info.get(k, {}).get("NodeID") for k in ("Address", "OwnerAddress"))
     return {"state": info.get("State", "DEAD"), "pid": info.get("Pid"),
-            "death": str(death)[:300] if death else ""}
+            "death": str(death)[:300] if death else "", "local": bool(node) and node == owner}

@@ -29,11 +29,15 @@ import time
 from typing import Any
 
 from supervisor import logs, testhooks
+from supervisor.process_exits import ProcessExits
 from supervisor.standby_workers import StandbyWorkers
 
 log = logs.get_logger("vllm_supervisor.standby")
 
-POLL_S = 1.0  # how often the standby's liveness is read from Ray's actor table
+# How often the ready standby's liveness is read from Ray's actor table: while a part runs on another
+# node (POLL_S), and as a check besides waiting on the exits of those on this host (CHECK_S).
+POLL_S = 1.0
+CHECK_S = 30.0
 RETRY_S = (1.0, 30.0)  # backoff after a failed preparation: first, max
 # The first seconds after a generation comes up belong to the streams it resumes: their prompts
 # and tokens so far are computed again, and preparing at once (a Ray worker start and vLLM's
@@ -78,6 +82,7 @@ class Standby:
         self.replacements = 0
         self.adoptions: dict[str, int] = {"adopted": 0, "cold": 0}
         self.ready_after_s: float | None = None  # the settle's end → READY, last time
+        self.watch = ""  # how the ready standby's death is seen: "exits" (waited on) or "polled"
         self.last_error = ""
         self._task: asyncio.Task | None = None
         self._creating = asyncio.Lock()
@@ -104,6 +109,7 @@ class Standby:
             "forkserver_pid": self.forkserver_pid,
             "workers": [{k: w.get(k) for k in ("rank", "name", "pid", "state")} for w in self.workers],
             "ready_after_s": None if self.ready_after_s is None else round(self.ready_after_s, 2),
+            "watch": self.watch if self.state is StandbyState.READY else "",
             "replacements": self.replacements,
             "adoptions": dict(self.adoptions),
             **({"last_error": self.last_error} if self.last_error else {}),
@@ -287,7 +293,7 @@ class Standby:
         while self.host.uses_ray:
             states = await asyncio.to_thread(self.host.states, self.workers)
             for w, s in zip(self.workers, states):
-                w.update(state=s["state"], pid=s["pid"])
+                w.update(state=s["state"], pid=s["pid"], local=s.get("local", False))
             dead = [s for s in states if s["state"] == "DEAD"]
             if dead:
                 raise RuntimeError(f"a standby worker died while starting: {dead[0]['death'] or 'no cause'}")
@@ -313,20 +319,45 @@ class Standby:
         if "poll" in self._without:
             await asyncio.Event().wait()  # until claimed (cancelled)
         while True:
-            await asyncio.sleep(POLL_S)
-            lost = []
-            if not await asyncio.to_thread(self.host.forkserver_alive):
-                lost.append("engine-core fork server")
-            if self.host.uses_ray:
-                states = await asyncio.to_thread(self.host.states, self.workers)
-                for w, s in zip(self.workers, states):
-                    if s["state"] == "DEAD":
-                        lost.append(f"worker {w['name']} (pid {w.get('pid')}): {s['death'] or 'no cause'}")
-            if not lost:
-                continue
+            lost = await self._until_lost()
             self.replacements += 1
             self.metrics.standby_replacements.inc()
             log.warning("standby died; replacing it (not a serving failure)", lost=lost, for_generation=generation)
             self._to(StandbyState.PREPARING, f"replacing: {lost[0][:150]}")
             await self._discard_workers()
             await self._make_ready(generation, vllm_config, time.monotonic())
+
+    def _part_pids(self) -> tuple[dict[str, int], bool]:
+        """The ready standby's processes on this host (name → pid): the fork server and the
+        workers Ray placed on this node; and whether that is every part."""
+        parts = [("engine-core fork server", self.forkserver_pid, True)]
+        if self.host.uses_ray:
+            parts += [(f"worker {w['name']}", w.get("pid"), bool(w.get("local"))) for w in self.workers]
+        pids = {name: pid for name, pid, local in parts if pid and local}
+        return pids, len(pids) == len(parts)
+
+    async def _until_lost(self) -> list[str]:
+        """What of the ready standby died, once something did. Its processes on this host are
+        waited on (``ProcessExits``), not polled; Ray's actor table is read once an exit is
+        seen, every ``CHECK_S`` besides, and every ``POLL_S`` while a part runs on another node
+        (or this host has no pidfds)."""
+        pids, every_part = self._part_pids()
+        try:
+            exits = ProcessExits(pids)
+        except OSError as exc:
+            log.warning("cannot wait on the standby's processes; polling them", error=str(exc)[:200])
+            exits, every_part = ProcessExits({}), False
+        self.watch = "exits" if every_part else "polled"
+        with exits:
+            while True:
+                exited = await exits.wait(CHECK_S if every_part else POLL_S)
+                lost = [f"{name} (pid {pids[name]}) exited" for name in exited]
+                if not lost and not await asyncio.to_thread(self.host.forkserver_alive):
+                    lost.append("engine-core fork server")
+                if self.host.uses_ray:
+                    states = await asyncio.to_thread(self.host.states, self.workers)
+                    for w, s in zip(self.workers, states):
+                        if s["state"] == "DEAD":
+                            lost.append(f"worker {w['name']} (pid {w.get('pid')}): {s['death'] or 'no cause'}")
+                if lost:
+                    return lost

@@ -193,6 +193,7 @@ def test_killed_standby_is_replaced_without_a_recovery(tp1, ray_head):
     gen, recoveries = s["generation"], len(s["recoveries"])
     replaced = s["standby"]["replacements"]
     old_pids = [w["pid"] for w in s["standby"]["workers"]]
+    assert s["standby"]["watch"] == "exits", s["standby"]  # on this host: its exit is waited on, not polled
     killed = inject.kill_worker(ray_head.address, standby=True)
     assert killed["killed"].endswith(f"-g{gen + 1}"), killed
     s = daemon.wait_standby(replacements=replaced + 1)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import signal
 
+import pytest
+
 from supervisor.events import EngineFailed, SignalReceived
 from supervisor.standby import TRANSITIONS, StandbyState
 from supervisor.states import State
@@ -173,8 +175,6 @@ def test_a_bench_can_leave_each_standby_part_out_only_with_the_hooks_on(tmp_path
     ``starter``, the build's workers made by vLLM's executor; ``idle``, no standby after the build;
     ``poll``, a ready standby not watched; ``preload``, the workers' class not imported ahead;
     ``park``, a ready standby's workers not parked. Without the hooks' switch it changes nothing."""
-    import pytest
-
     from supervisor import testhooks
 
     async def started(without: str, hooks: str = "1"):
@@ -232,8 +232,6 @@ def test_wake_connects_once_to_each_parked_worker_and_names_those_it_cannot_reac
     worker that was never parked is left alone."""
     import socket
 
-    import pytest
-
     from supervisor.standby_workers import StandbyWorkers
 
     listener = socket.create_server(("127.0.0.1", 0))
@@ -248,3 +246,109 @@ def test_wake_connects_once_to_each_parked_worker_and_names_those_it_cannot_reac
     with pytest.raises(BlockingIOError):
         listener.accept()  # and only one
     listener.close()
+
+
+def test_a_ready_standby_on_this_host_is_waited_on_not_polled(tmp_path, monkeypatch):
+    """The ready standby's processes on the daemon's host (its fork server, the workers Ray
+    placed on this node) are waited on (``supervisor.process_exits``): one that exits is
+    replaced at once, with Ray's table read only every ``CHECK_S`` and still saying ALIVE. A
+    worker on another node is polled."""
+    import subprocess
+    import sys
+
+    import supervisor.standby as standby_module
+
+    monkeypatch.setattr(standby_module, "POLL_S", 60.0)
+    monkeypatch.setattr(standby_module, "CHECK_S", 60.0)
+    sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
+    procs: dict[str, subprocess.Popen] = {}
+    local = {"worker": True}
+
+    async def scenario():
+        sup = FakeSupervisor(settings(tmp_path))
+        host, b = sup.builder.standby_workers, sup.builder
+        fake_states = host.states
+
+        def process(key, again=False):
+            if key not in procs or again:
+                procs.setdefault(f"{key}-{len(procs)}", procs.pop(key, None))  # killed at the end
+                procs[key] = subprocess.Popen(sleeper)
+            return procs[key]
+
+        def states(workers):  # the fake's table, with a real process for each worker
+            return [dict(s, pid=process(w["actor_id"]).pid, local=local["worker"])
+                    for w, s in zip(workers, fake_states(workers))]
+
+        host.states = states
+        host.start_forkserver = lambda: process("forkserver", again=True) and 0.01
+        host.forkserver_alive = lambda: "forkserver" in procs and procs["forkserver"].poll() is None
+        host.forkserver_pid = lambda: procs["forkserver"].pid if host.forkserver_alive() else None
+        owner = asyncio.create_task(sup.run())
+        await wait_for(lambda: sup.standby.state is StandbyState.READY and sup.standby.watch == "exits", 10)
+        assert sup.status()["standby"]["watch"] == "exits"
+
+        worker = procs[b.standby_made[0]["actor_id"]]
+        worker.kill()
+        await wait_for(lambda: sup.standby.replacements == 1 and sup.standby.state is StandbyState.READY, 5)
+        assert b.actor_states[b.standby_made[0]["actor_id"]] == "DEAD"  # discarded through Ray
+        assert len(b.standby_made) == 2 and sup.standby.workers[0]["pid"] == procs[b.standby_made[1]["actor_id"]].pid
+
+        server = procs["forkserver"]
+        server.kill()  # not reaped here: a zombie has exited too
+        await wait_for(lambda: sup.standby.replacements == 2 and sup.standby.state is StandbyState.READY, 5)
+        assert sup.standby.forkserver_pid == procs["forkserver"].pid != server.pid
+        assert sup.state is State.READY and not sup.recoveries
+
+        local["worker"] = False  # the next standby's worker runs on another node: polled
+        procs[sup.standby.workers[0]["actor_id"]].kill()
+        await wait_for(lambda: sup.standby.replacements == 3 and sup.standby.state is StandbyState.READY
+                       and sup.standby.watch == "polled", 5)
+        owner.cancel()
+        await asyncio.gather(owner, return_exceptions=True)
+
+    try:
+        run(scenario())
+    finally:
+        for p in procs.values():
+            if p is not None:
+                p.kill()
+                p.wait()
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])  # the daemon's is uvloop's (supervisor.cli)
+def test_process_exits_sees_an_exit_a_zombie_and_a_pid_already_gone(loop):
+    import subprocess
+    import sys
+
+    from supervisor.process_exits import ProcessExits
+
+    async def scenario():
+        live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+        gone = subprocess.Popen([sys.executable, "-c", "pass"])
+        gone.wait()  # reaped: its pid names no process (nor, this soon, a new one)
+        while True:  # exited, not reaped
+            with open(f"/proc/{zombie.pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+            await asyncio.sleep(0.01)
+        try:
+            with ProcessExits({"gone": gone.pid}) as exits:
+                assert exits.exited == ["gone"]  # at once
+            with ProcessExits({"live": live.pid, "zombie": zombie.pid}) as exits:
+                assert await exits.wait(5) == ["zombie"]
+            with ProcessExits({"live": live.pid}) as exits:
+                assert await exits.wait(0.2) == []
+                live.kill()
+                assert await exits.wait(5) == ["live"]
+        finally:
+            for p in (live, zombie):
+                p.kill()
+                p.wait()
+
+    if loop == "uvloop":
+        import uvloop
+
+        uvloop.run(scenario())
+    else:
+        run(scenario())

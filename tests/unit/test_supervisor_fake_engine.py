@@ -264,7 +264,7 @@ class FakeStandbyWorkers:
         return self.b.forkserver_up
 
     def forkserver_pid(self):
-        return 4242 if self.b.forkserver_up else None
+        return None  # no process to wait on: the standby reads forkserver_alive instead
 
     def stop_forkserver(self):
         self.b.forkserver_up = False
