@@ -315,6 +315,41 @@ def test_a_ready_standby_on_this_host_is_waited_on_not_polled(tmp_path, monkeypa
                 p.wait()
 
 
+def test_a_host_without_pidfds_polls_the_standby_and_still_replaces_a_dead_one(tmp_path, monkeypatch):
+    """Where ``pidfd_open`` is refused (a kernel before 5.3, a seccomp filter), the ready
+    standby's processes cannot be waited on: it is polled through Ray's table every ``POLL_S``
+    (the status says so) and a death seen there is still replaced without a recovery."""
+    import errno
+    import os
+
+    import supervisor.standby as standby_module
+
+    def refused(pid, flags=0):
+        raise OSError(errno.ENOSYS, "pidfd_open refused")
+
+    monkeypatch.setattr(standby_module, "POLL_S", 0.05)
+    monkeypatch.setattr(standby_module, "CHECK_S", 60.0)
+
+    async def scenario():
+        sup = FakeSupervisor(settings(tmp_path))
+        host, b = sup.builder.standby_workers, sup.builder
+        fake_states = host.states
+        # every part on this host, with a pid that lives: with pidfds this standby is waited on
+        host.states = lambda workers: [dict(s, pid=os.getpid(), local=True) for s in fake_states(workers)]
+        host.forkserver_pid = lambda: os.getpid()
+        monkeypatch.setattr(os, "pidfd_open", refused)
+        owner = asyncio.create_task(sup.run())
+        await wait_for(lambda: sup.standby.state is StandbyState.READY and sup.standby.watch, 10)
+        assert sup.status()["standby"]["watch"] == "polled"
+        b.actor_states[b.standby_made[0]["actor_id"]] = "DEAD"  # seen only in the table
+        await wait_for(lambda: sup.standby.replacements == 1 and sup.standby.state is StandbyState.READY, 5)
+        assert sup.state is State.READY and not sup.recoveries
+        owner.cancel()
+        await asyncio.gather(owner, return_exceptions=True)
+
+    run(scenario())
+
+
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])  # the daemon's is uvloop's (supervisor.cli)
 def test_process_exits_sees_an_exit_a_zombie_and_a_pid_already_gone(loop):
     import subprocess
