@@ -1,0 +1,36 @@
+"""bench.pooled: the per-round ratios it pools and how it reads a goal (logic only; the runs are
+bench.serving_overhead's JSON)."""
+
+from __future__ import annotations
+
+from bench.pooled import pool, pooled_interval, round_ratios, verdict
+
+
+def result(vllm: list, daemon: list) -> dict:
+    keys = ("output_throughput", "cpu_ms_per_token", "p50_ttft_ms", "p50_itl_ms")
+    return {"rows": [{"key": k, "vllm_serve": vllm, "daemon": daemon} for k in keys]}
+
+
+def test_a_round_without_a_figure_is_left_out():
+    assert round_ratios(result([10.0, 0.0, 10.0], [9.0, 5.0, None]), "daemon")["p50_ttft_ms"] == [0.9]
+
+
+def test_the_interval_resamples_runs_before_rounds():
+    steady = [[1.0] * 10, [1.0] * 10]
+    assert pooled_interval(steady) == (1.0, 1.0)
+    # an hour of one round far from an hour of nineteen: pooled as rounds, the one would never move
+    # the median; resampled as runs, it is drawn twice a quarter of the time and spans the interval
+    assert pooled_interval([[0.9], [1.1] * 19]) == (0.9, 1.1)
+
+
+def test_a_goal_is_resolved_only_when_the_whole_interval_is_on_one_side():
+    assert verdict(1.10, (1.06, 1.16), "<=", 1.05) == "missed, resolved"
+    assert verdict(1.03, (0.99, 1.07), "<=", 1.05) == "met, within the noise"
+    assert verdict(0.96, (0.93, 0.99), ">=", 0.98) == "missed, within the noise"
+
+
+def test_pool_lists_each_runs_median_beside_the_pooled_one():
+    runs = {"a": result([10.0, 10.0], [9.0, 9.5]), "b": result([10.0, 10.0], [10.0, 10.5])}
+    g = pool(runs, "daemon")["output_throughput"]
+    assert g["runs"] == {"a": 0.925, "b": 1.025} and g["rounds"] == 4
+    assert g["median"] == 0.975 and g["verdict"].startswith("missed")
