@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "ray-worker-core-each-2026-12
 import coreprobe_each as ce  # noqa: E402
 
 from bench import prefix_routing as pr  # noqa: E402
+from bench.steady_state import pss_kib  # noqa: E402
 from chaos.harness import Daemon  # noqa: E402
 from supervisor.testhooks import ENV, STANDBY_WITHOUT_ENV  # noqa: E402
 
@@ -57,8 +58,7 @@ signal.pause()
 
 
 def pss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/smaps_rollup") as fh:
-        return next(int(line.split()[1]) for line in fh if line.startswith("Pss:")) / 1024
+    return pss_kib(pid) / 1024
 
 
 @contextlib.contextmanager
@@ -98,7 +98,7 @@ def serving(kind: str):
         d.wait_ready(); d.wait_replicas_serving()
         stopped: list[int] = []
         if kind == FROZEN:
-            sb = d.wait_standby()
+            d.wait_standby()
             sb = d.status()["standby"]
             stopped = [w["pid"] for w in sb["workers"]] + [sb["forkserver_pid"]]
             assert all(stopped), f"a standby process without a pid: {sb}"
