@@ -311,10 +311,12 @@ def engine_flags(args) -> tuple[str, ...]:
 
 @contextlib.contextmanager
 def warm_server(kind: str, work: Path, head: RayHead, name: str, args, extra: tuple[str, ...] = ()) -> Iterator[Any]:
-    """``kind``'s server (``start``), warmed up (``warm_up``) for the block, stopped after it."""
+    """``kind``'s server (``start``), warmed up (``warm_up``) and left idle ``args.settle_s``
+    seconds for the block, stopped after it."""
     server = start(kind, work, head, extra)
     try:
         warm_up(server, work, name, args)
+        time.sleep(args.settle_s)
         yield server
     finally:
         server.stop()
@@ -355,7 +357,7 @@ def warm_rounds(kinds: list[str], rounds: int, prefix: str, args) -> Iterator[tu
 class ProbeLoad:
     """The load the probes under ``bench/results/`` warm each server with and run at saturation:
     32 in / 64 out tokens, the benchmark client at niceness -10 (``warm_rounds``' ``args``)."""
-    input_len, output_len, client_nice = 32, 64, -10
+    input_len, output_len, client_nice, settle_s = 32, 64, -10, 0.0
 
 
 def loop_load(server: Any, work: Path, name: str) -> str:
@@ -420,6 +422,7 @@ def run_interleaved(kinds: list[str], work: Path, head: RayHead, args) -> dict[s
             servers[kind] = start(kind, work / kind, head, engine_flags(args))
         for kind in kinds:
             warm_up(servers[kind], work / kind, kind, args)
+        time.sleep(args.settle_s)
         for r, kind in alternating(kinds, args.rounds):
             runs[kind].append(report(r, kind, measure(servers[kind], work / kind, f"{kind}-{r}", head, args)))
     finally:
@@ -464,6 +467,10 @@ def main() -> int:
                         help="run the benchmark client in a session of its own at this niceness (e.g. -10; root): "
                              "on few cores the servers' spinning engine core and worker otherwise starve it, which "
                              "a client on another host never is (0: the client in this process's session, as before)")
+    parser.add_argument("--settle-s", type=float, default=0.0,
+                        help="seconds each server is left idle after its warm-up (and, for a daemon, after its "
+                             "standby is ready) before it is measured: tells a transient of the standby's making "
+                             "(memory, caches) from a steady cost; every kind waits the same")
     parser.add_argument("--kinds", nargs="+", choices=list(LABELS), help="servers, in this order in the first round (vllm_serve first); the order is reversed every other round")
     args = parser.parse_args()
     defaults = ({"num_prompts": 400, "rate": float("inf"), "max_concurrency": 8, "input_len": 32, "output_len": 64}
@@ -506,7 +513,8 @@ def main() -> int:
         f"{'interleaved rounds (the servers up side by side, the order reversed every other round)' if args.interleave else 'rounds, each server alone, the order reversed every other round'}, "
         f"{args.num_prompts} prompts, "
         f"{mode}, {args.input_len} in / {args.output_len} out tokens, TP=1, demo model on CPU, Ray V2 servers on one Ray head, mp servers without Ray"
-        + (f", the client in a session of its own at niceness {args.client_nice}" if args.client_nice else ""),
+        + (f", the client in a session of its own at niceness {args.client_nice}" if args.client_nice else "")
+        + (f", each server left idle {args.settle_s:g} s after its warm-up" if args.settle_s else ""),
         "",
         "| metric | " + " | ".join(f"ratio {LABELS[k]} / {LABELS[BASELINE[k]]} (min / median / max)" for k in daemons) + " | "
         + " | ".join(f"{LABELS[k]} (median)" for k in kinds) + " |",
