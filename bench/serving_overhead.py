@@ -335,19 +335,22 @@ def alternating(kinds: list[str], rounds: int) -> Iterator[tuple[int, str]]:
             yield r, kind
 
 
-def warm_rounds(kinds: list[str], rounds: int, prefix: str, args) -> Iterator[tuple[int, str, Any, Path, RayHead]]:
+def warm_rounds(kinds: list[str], rounds: int, prefix: str, args,
+                starts_as: dict[str, str] | None = None) -> Iterator[tuple[int, str, Any, Path, RayHead]]:
     """(round, kind, its warm server, the round's directory, the Ray head) for each of
     ``alternating``'s rounds, each server started and warmed (``warm_server``) on one Ray head of 2
     CPUs in a directory of its own under a new one named ``prefix``…, and stopped once the
-    caller's body for that round is done: the probes' rounds (``bench/results/``). The
-    temporary directory goes with the Ray head: a probe copies what it keeps out of a round's
-    directory within that round."""
+    caller's body for that round is done: the probes' rounds (``bench/results/``). A probe's own
+    kind starts as the server ``starts_as`` names (``{"daemon_niced_standby": "daemon"}``), which
+    the probe's body then changes from outside. The temporary directory goes with the Ray head: a
+    probe copies what it keeps out of a round's directory within that round."""
+    starts_as = starts_as or {}
     work = Path(tempfile.mkdtemp(prefix=prefix))
     head = RayHead(num_cpus=2).start()
     try:
         for r, kind in alternating(kinds, rounds):
             (work / f"{kind}-{r}").mkdir()
-            with warm_server(kind, work / f"{kind}-{r}", head, f"{kind}-{r}", args) as server:
+            with warm_server(starts_as.get(kind, kind), work / f"{kind}-{r}", head, f"{kind}-{r}", args) as server:
                 yield r, kind, server, work / f"{kind}-{r}", head
     finally:
         head.stop()
@@ -358,6 +361,30 @@ class ProbeLoad:
     """The load the probes under ``bench/results/`` warm each server with and run at saturation:
     32 in / 64 out tokens, the benchmark client at niceness -10 (``warm_rounds``' ``args``)."""
     input_len, output_len, client_nice, settle_s = 32, 64, -10, 0.0
+
+
+class SaturationLoad(ProbeLoad):
+    """``--saturation``'s load as ``measure``'s ``args``, for the probes that measure a server as
+    this bench does: 400 prompts, 8 streams always in flight, no rate limit."""
+    num_prompts, rate, max_concurrency = 400, float("inf"), 8
+
+
+def print_ratios(runs: dict[str, list[dict]], keys: tuple[str, ...], baseline: str = "vllm_serve") -> None:
+    """A probe's summary: each kind's median ratio to ``baseline`` (min-max over the rounds) for ``keys``."""
+    print(f"\nmedian ratio to {baseline} (min-max over the rounds):")
+    for kind in (k for k in runs if k != baseline):
+        cells = []
+        for key in keys:
+            ratios = [a[key] / b[key] for a, b in zip(runs[kind], runs[baseline]) if a[key] and b[key]]
+            cells.append(f"{key} {statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})")
+        print(f"  {kind}: " + ", ".join(cells))
+
+
+def standby_pids(server) -> list[int]:
+    """The processes of a daemon's warm standby (the engine core's fork server, its workers), from
+    its status; the probes stop or renice them from outside."""
+    standby = server.status()["standby"]
+    return [p for p in [standby.get("forkserver_pid"), *(w.get("pid") for w in standby["workers"])] if p]
 
 
 def loop_load(server: Any, work: Path, name: str) -> str:

@@ -13,70 +13,40 @@ probe changes nothing in the daemon.
 """
 
 import os
-import shutil
 import signal
-import statistics
 import sys
-import tempfile
-import time
-from pathlib import Path
 
-from bench.common import RayHead
-from bench.serving_overhead import alternating, measure, report, start, warm_up
+from bench.serving_overhead import SaturationLoad, measure, print_ratios, report, standby_pids, warm_rounds
 
-KINDS = ["vllm_serve", "daemon", "daemon_standby_frozen"]
-SETTLE_S = float(os.environ.get("SETTLE_S", "60"))
+FROZEN = "daemon_standby_frozen"
+KINDS = ["vllm_serve", "daemon", FROZEN]
 
 
-class Load:
-    num_prompts, rate, max_concurrency, input_len, output_len, client_nice = 400, float("inf"), 8, 32, 64, -10
-
-
-def standby_pids(server) -> list[int]:
-    standby = server.status()["standby"]
-    return [p for p in [standby.get("forkserver_pid"), *(w.get("pid") for w in standby["workers"])] if p]
+class Load(SaturationLoad):
+    settle_s = float(os.environ.get("SETTLE_S", "60"))
 
 
 def main() -> None:
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 3
-    work = Path(tempfile.mkdtemp(prefix="standby-frozen-sat-"))
-    head = RayHead(num_cpus=2).start()
     runs: dict[str, list[dict]] = {k: [] for k in KINDS}
-    try:
-        for r, kind in alternating(KINDS, rounds):
-            name = f"{kind}-{r}"
-            (work / name).mkdir()
-            server = start("daemon" if kind == "daemon_standby_frozen" else kind, work / name, head)
-            stopped: list[int] = []
-            try:
-                warm_up(server, work / name, name, Load)
-                time.sleep(SETTLE_S)
-                if kind == "daemon_standby_frozen":
-                    stopped = standby_pids(server)
-                    assert len(stopped) >= 2, f"no standby to stop: {server.status()['standby']}"
-                    for pid in stopped:
-                        os.kill(pid, signal.SIGSTOP)
-                    print(f"  standby processes {stopped} stopped over the load", flush=True)
-                runs[kind].append(report(r, kind, measure(server, work / name, name, head, Load)))
-            finally:
-                for pid in stopped:
-                    os.kill(pid, signal.SIGCONT)
-                if stopped:  # the daemon saw nothing of the stop: the same standby, still ready
-                    standby = server.status()["standby"]
-                    print(f"  continued; standby {standby['state']}, pids {standby_pids(server)}", flush=True)
-                server.stop()
-    finally:
-        head.stop()
-        shutil.rmtree(work, ignore_errors=True)
-    print("\nmedian ratio to vllm_serve (min-max), by round:")
+    for r, kind, server, work, head in warm_rounds(KINDS, rounds, "standby-frozen-sat-", Load, {FROZEN: "daemon"}):
+        stopped = standby_pids(server) if kind == FROZEN else []
+        assert kind != FROZEN or len(stopped) >= 2, f"no standby to stop: {server.status()['standby']}"
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        if stopped:
+            print(f"  standby processes {stopped} stopped over the load", flush=True)
+        try:
+            runs[kind].append(report(r, kind, measure(server, work, f"{kind}-{r}", head, Load)))
+        finally:
+            for pid in stopped:
+                os.kill(pid, signal.SIGCONT)
+        if stopped:  # the daemon saw nothing of the stop: the same standby, still ready
+            print(f"  continued; standby {server.status()['standby']['state']}, pids {standby_pids(server)}", flush=True)
+    print_ratios(runs, ("output_throughput", "cpu_ms_per_token", "p50_ttft_ms", "p50_itl_ms", "ttft_prefill_ms"))
     for kind in KINDS[1:]:
-        cells = []
-        for key in ("output_throughput", "cpu_ms_per_token", "p50_ttft_ms", "p50_itl_ms", "ttft_prefill_ms"):
-            ratios = [a[key] / b[key] for a, b in zip(runs[kind], runs["vllm_serve"]) if a[key] and b[key]]
-            cells.append(f"{key} {statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})")
-        print(f"  {kind}: " + ", ".join(cells))
-        print(f"    TTFT p50 by round: " + ", ".join(f"{a['p50_ttft_ms']:.1f}/{b['p50_ttft_ms']:.1f}"
-                                                     for a, b in zip(runs[kind], runs["vllm_serve"])))
+        print(f"  {kind}, TTFT p50 by round: " + ", ".join(
+            f"{a['p50_ttft_ms']:.1f}/{b['p50_ttft_ms']:.1f}" for a, b in zip(runs[kind], runs["vllm_serve"])))
 
 
 if __name__ == "__main__":
