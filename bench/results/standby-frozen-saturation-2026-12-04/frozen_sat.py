@@ -1,6 +1,7 @@
 """Does the ready standby's running cost the daemon's first token at saturation, or does its being
-there? (issue 42, 2026-12-04). Settled 60 s, the defaults' TTFT p50 stayed 1.155× ``vllm serve``'s
-(``saturation-settled-2026-12-04``), so the price is no transient of the standby's making. Three
+there? (issue 42, 2026-12-04). Settled 60 s, the defaults' TTFT p50 read 1.155× ``vllm serve``'s in
+one run and 0.989× in the next (``saturation-settled-2026-12-04``, ``…b``), and vLLM's scheduled →
+first token stayed longer with the standby in 11 of their 14 rounds. Three
 servers in alternating rounds, each measured as ``bench.serving_overhead --saturation`` measures
 (400 prompts, 8 streams, 32 in / 64 out, the client at niceness -10), each left idle ``SETTLE_S``
 after its warm-up: ``vllm serve`` (Ray V2), the daemon with its defaults, and the same daemon with
