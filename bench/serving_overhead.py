@@ -35,8 +35,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import random
 import shutil
+import signal
 import statistics
 import tempfile
 import threading
@@ -378,6 +380,19 @@ def print_ratios(runs: dict[str, list[dict]], keys: tuple[str, ...], baseline: s
             ratios = [a[key] / b[key] for a, b in zip(runs[kind], runs[baseline]) if a[key] and b[key]]
             cells.append(f"{key} {statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})")
         print(f"  {kind}: " + ", ".join(cells))
+
+
+@contextlib.contextmanager
+def stopped(pids: list[int]) -> Iterator[list[int]]:
+    """``pids`` stopped (SIGSTOP) for the block and continued (SIGCONT) after it, however the block
+    ends: the probes' standby frozen over a load."""
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield pids
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
 
 
 def standby_pids(server) -> list[int]:

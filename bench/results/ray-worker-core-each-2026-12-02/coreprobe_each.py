@@ -26,8 +26,6 @@ is a per-step check in the worker for a poisoned request.
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -38,6 +36,7 @@ import threadprobe2 as tp  # noqa: E402
 
 from bench import prefix_routing as pr  # noqa: E402
 from bench.common import HostSpeed  # noqa: E402
+from bench.serving_overhead import stopped  # noqa: E402
 from chaos.harness import Daemon  # noqa: E402
 from supervisor.testhooks import ENV, STANDBY_WITHOUT_ENV  # noqa: E402
 
@@ -63,16 +62,11 @@ def serving(kind: str):
         d.wait_ready(); d.wait_replicas_serving()
         if kind != NO_STANDBY and "idle" not in WITHOUT.get(kind, ""):
             d.wait_standby()
-        stopped = [w["pid"] for w in d.status()["standby"]["workers"]] if kind == STOPPED else []
-        for pid in stopped:
-            os.kill(pid, signal.SIGSTOP)
-        try:
+        workers = [w["pid"] for w in d.status()["standby"]["workers"]] if kind == STOPPED else []
+        with stopped(workers):
             yield d
-        finally:
-            for pid in stopped:
-                os.kill(pid, signal.SIGCONT)
-        if stopped:
-            print(f"  standby workers {stopped} were stopped over the load", flush=True)
+        if workers:
+            print(f"  standby workers {workers} were stopped over the load", flush=True)
         d.stop()
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -39,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "ray-worker-core-each-2026-12
 import coreprobe_each as ce  # noqa: E402
 
 from bench import prefix_routing as pr  # noqa: E402
+from bench.serving_overhead import standby_pids, stopped  # noqa: E402
 from bench.steady_state import pss_kib  # noqa: E402
 from chaos.harness import Daemon  # noqa: E402
 from supervisor.testhooks import ENV, STANDBY_WITHOUT_ENV  # noqa: E402
@@ -96,24 +96,18 @@ def serving(kind: str):
         tmp = stack.enter_context(tempfile.TemporaryDirectory())
         d = stack.enter_context(Daemon(Path(tmp), config, args=flags, env=env, own_session=True).start())
         d.wait_ready(); d.wait_replicas_serving()
-        stopped: list[int] = []
+        pids: list[int] = []
         if kind == FROZEN:
             d.wait_standby()
             sb = d.status()["standby"]
-            stopped = [w["pid"] for w in sb["workers"]] + [sb["forkserver_pid"]]
-            assert all(stopped), f"a standby process without a pid: {sb}"
-            pss = sum(pss_mib(p) for p in stopped)
+            pids = standby_pids(d)
+            assert len(pids) == len(sb["workers"]) + 1, f"a standby process without a pid: {sb}"
+            print(f"  standby processes {pids} (PSS {sum(pss_mib(p) for p in pids):.0f} MiB) stopped over the load",
+                  flush=True)
         else:
             stack.enter_context(ballast())
-        for pid in stopped:
-            os.kill(pid, signal.SIGSTOP)
-        if stopped:
-            print(f"  standby processes {stopped} (PSS {pss:.0f} MiB) stopped over the load", flush=True)
-        try:
+        with stopped(pids):
             yield d
-        finally:
-            for pid in stopped:
-                os.kill(pid, signal.SIGCONT)
         time.sleep(0.5)
         d.stop()
 

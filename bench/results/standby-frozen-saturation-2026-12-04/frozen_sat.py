@@ -14,10 +14,9 @@ probe changes nothing in the daemon.
 """
 
 import os
-import signal
 import sys
 
-from bench.serving_overhead import SaturationLoad, measure, print_ratios, report, standby_pids, warm_rounds
+from bench.serving_overhead import SaturationLoad, measure, print_ratios, report, standby_pids, stopped, warm_rounds
 
 FROZEN = "daemon_standby_frozen"
 KINDS = ["vllm_serve", "daemon", FROZEN]
@@ -31,18 +30,13 @@ def main() -> None:
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 3
     runs: dict[str, list[dict]] = {k: [] for k in KINDS}
     for r, kind, server, work, head in warm_rounds(KINDS, rounds, "standby-frozen-sat-", Load, {FROZEN: "daemon"}):
-        stopped = standby_pids(server) if kind == FROZEN else []
-        assert kind != FROZEN or len(stopped) >= 2, f"no standby to stop: {server.status()['standby']}"
-        for pid in stopped:
-            os.kill(pid, signal.SIGSTOP)
-        if stopped:
-            print(f"  standby processes {stopped} stopped over the load", flush=True)
-        try:
+        pids = standby_pids(server) if kind == FROZEN else []
+        assert kind != FROZEN or len(pids) >= 2, f"no standby to stop: {server.status()['standby']}"
+        if pids:
+            print(f"  standby processes {pids} stopped over the load", flush=True)
+        with stopped(pids):
             runs[kind].append(report(r, kind, measure(server, work, f"{kind}-{r}", head, Load)))
-        finally:
-            for pid in stopped:
-                os.kill(pid, signal.SIGCONT)
-        if stopped:  # the daemon saw nothing of the stop: the same standby, still ready
+        if pids:  # the daemon saw nothing of the stop: the same standby, still ready
             print(f"  continued; standby {server.status()['standby']['state']}, pids {standby_pids(server)}", flush=True)
     print_ratios(runs, ("output_throughput", "cpu_ms_per_token", "p50_ttft_ms", "p50_itl_ms", "ttft_prefill_ms"))
     for kind in KINDS[1:]:
