@@ -3,7 +3,7 @@ bench.serving_overhead's JSON)."""
 
 from __future__ import annotations
 
-from bench.pooled import pool, pooled_interval, round_ratios, verdict
+from bench.pooled import pool, pooled_interval, round_ratios, same_state, state_split, verdict
 
 
 def result(vllm: list, daemon: list) -> dict:
@@ -34,3 +34,24 @@ def test_pool_lists_each_runs_median_beside_the_pooled_one():
     g = pool(runs, "daemon")["output_throughput"]
     assert g["runs"] == {"a": 0.925, "b": 1.025} and g["rounds"] == 4
     assert g["median"] == 0.975 and g["verdict"].startswith("missed")
+
+
+def gauged(vllm: list, daemon: list, vllm_gauge: list, daemon_gauge: list) -> dict:
+    r = result(vllm, daemon)
+    r["rows"].append({"key": "host_python_ms", "vllm_serve": vllm_gauge, "daemon": daemon_gauge})
+    return r
+
+
+def test_same_state_keeps_the_rounds_whose_two_windows_ran_on_one_host_state():
+    # round 0 same state, round 1 the daemon's window slow, round 2 vllm serve's, round 3 no gauge
+    r = gauged([10.0, 10.0, 10.0, 10.0], [9.0, 6.0, 14.0, 8.0], [0.8, 0.8, 1.3, None], [0.85, 1.3, 0.8, 0.8])
+    assert same_state(r, "daemon", 0.1) == [True, False, False, False]
+    assert state_split(r, "daemon", 0.1) == (1, 1, 1)
+    assert round_ratios(r, "daemon", keep=same_state(r, "daemon", 0.1))["output_throughput"] == [0.9]
+    assert pool({"a": r}, "daemon", 0.1)["output_throughput"]["rounds"] == 1
+
+
+def test_a_run_without_the_gauge_has_no_round_in_one_known_state():
+    r = result([10.0, 10.0], [9.0, 9.5])
+    assert same_state(r, "daemon", 0.1) == [] and state_split(r, "daemon", 0.1) == (0, 0, 0)
+    assert round_ratios(r, "daemon", keep=[])["p50_ttft_ms"] == []
