@@ -10,7 +10,11 @@ SIGSTOP over the measurement and continued after it. Nothing of a frozen standby
 Ray's records of its actors and the daemon's handles stay. Root or the servers' owner only; the
 probe changes nothing in the daemon.
 
-    PYTHONPATH=. .venv/bin/python bench/results/standby-frozen-saturation-2026-12-04/frozen_sat.py ROUNDS
+    PYTHONPATH=. .venv/bin/python bench/results/standby-frozen-saturation-2026-12-04/frozen_sat.py ROUNDS [KIND ...]
+
+The kinds after ``ROUNDS`` choose what is stopped (stop 88): ``daemon_standby_frozen`` (the whole
+standby, the default), ``daemon_worker_frozen`` (its workers alone) or ``daemon_forkserver_frozen``
+(the fork server alone); ``vllm_serve`` and ``daemon`` always run.
 """
 
 import os
@@ -18,8 +22,11 @@ import sys
 
 from bench.serving_overhead import SaturationLoad, measure, print_ratios, report, standby_pids, stopped, warm_rounds
 
-FROZEN = "daemon_standby_frozen"
-KINDS = ["vllm_serve", "daemon", FROZEN]
+FROZEN = {  # a probe kind: which of the ready standby's processes it stops
+    "daemon_standby_frozen": standby_pids,
+    "daemon_worker_frozen": lambda server: [w.get("pid") for w in server.status()["standby"]["workers"]],
+    "daemon_forkserver_frozen": lambda server: [server.status()["standby"].get("forkserver_pid")],
+}
 
 
 class Load(SaturationLoad):
@@ -28,10 +35,13 @@ class Load(SaturationLoad):
 
 def main() -> None:
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 3
-    runs: dict[str, list[dict]] = {k: [] for k in KINDS}
-    for r, kind, server, work, head in warm_rounds(KINDS, rounds, "standby-frozen-sat-", Load, {FROZEN: "daemon"}):
-        pids = standby_pids(server) if kind == FROZEN else []
-        assert kind != FROZEN or len(pids) >= 2, f"no standby to stop: {server.status()['standby']}"
+    kinds = ["vllm_serve", "daemon", *(sys.argv[2:] or ["daemon_standby_frozen"])]
+    unknown = set(kinds[2:]) - set(FROZEN)
+    assert not unknown, f"unknown kinds {sorted(unknown)}: choose from {sorted(FROZEN)}"
+    runs: dict[str, list[dict]] = {k: [] for k in kinds}
+    for r, kind, server, work, head in warm_rounds(kinds, rounds, "standby-frozen-sat-", Load, dict.fromkeys(FROZEN, "daemon")):
+        pids = [p for p in FROZEN[kind](server) if p] if kind in FROZEN else []
+        assert kind not in FROZEN or pids, f"no standby to stop: {server.status()['standby']}"
         if pids:
             print(f"  standby processes {pids} stopped over the load", flush=True)
         with stopped(pids):
@@ -39,7 +49,7 @@ def main() -> None:
         if pids:  # the daemon saw nothing of the stop: the same standby, still ready
             print(f"  continued; standby {server.status()['standby']['state']}, pids {standby_pids(server)}", flush=True)
     print_ratios(runs, ("output_throughput", "cpu_ms_per_token", "p50_ttft_ms", "p50_itl_ms", "ttft_prefill_ms"))
-    for kind in KINDS[1:]:
+    for kind in kinds[1:]:
         print(f"  {kind}, TTFT p50 by round: " + ", ".join(
             f"{a['p50_ttft_ms']:.1f}/{b['p50_ttft_ms']:.1f}" for a, b in zip(runs[kind], runs["vllm_serve"])))
 
