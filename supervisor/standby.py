@@ -28,7 +28,7 @@ import enum
 import time
 from typing import Any
 
-from supervisor import logs, testhooks
+from supervisor import logs, standby_sched, testhooks
 from supervisor.process_exits import ProcessExits
 from supervisor.standby_workers import StandbyWorkers
 
@@ -83,6 +83,9 @@ class Standby:
         self.adoptions: dict[str, int] = {"adopted": 0, "cold": 0}
         self.ready_after_s: float | None = None  # the settle's end → READY, last time
         self.watch = ""  # how the ready standby's death is seen: "exits" (waited on) or "polled"
+        # The standby's processes on this host under SCHED_IDLE while it is ready
+        # (``standby_sched``); every claim takes them all back, whatever came between.
+        self.resting: list[int] = []
         self.last_error = ""
         self._task: asyncio.Task | None = None
         self._creating = asyncio.Lock()
@@ -110,6 +113,7 @@ class Standby:
             "workers": [{k: w.get(k) for k in ("rank", "name", "pid", "state")} for w in self.workers],
             "ready_after_s": None if self.ready_after_s is None else round(self.ready_after_s, 2),
             "watch": self.watch if self.state is StandbyState.READY else "",
+            "resting": list(self.resting),
             "replacements": self.replacements,
             "adoptions": dict(self.adoptions),
             **({"last_error": self.last_error} if self.last_error else {}),
@@ -162,9 +166,13 @@ class Standby:
         if generation == self._unclaimed:
             self._unclaimed = None
         mine = generation == self.generation and self.state in (StandbyState.PREPARING, StandbyState.READY)
+        busy = not mine and self.state in (StandbyState.PREPARING, StandbyState.READY, StandbyState.ADOPTING)
         if mine:  # decided before the first await: no other build can take it meanwhile
             self._to(StandbyState.ADOPTING, f"building generation {generation}")
-        elif self.state in (StandbyState.PREPARING, StandbyState.READY, StandbyState.ADOPTING):
+        # Any build forks its engine core from the fork server, and this one may adopt the
+        # workers: both back at the normal policy, before the first await.
+        self._restore_policy()
+        if busy:
             return {"namespace": None, "forkserver": await asyncio.to_thread(self.host.forkserver_alive)}
         async with self._creating:  # an actor creation in flight finishes first
             await self._cancel()
@@ -311,8 +319,25 @@ class Standby:
                             error=f"{type(exc).__name__}: {exc}"[:300])
         self.ready_after_s = time.monotonic() - started
         self._to(StandbyState.READY, f"ready in {self.ready_after_s:.1f} s")
+        if "rest" not in self._without:  # in the same turn of the loop as READY: no claim between
+            rested, left = standby_sched.rest(list(self._part_pids()[0].values()))
+            self.resting = sorted(set(self.resting) | set(rested))
+            if left:
+                log.info("the standby waits at the normal scheduling policy: taking it back from SCHED_IDLE needs "
+                         "CAP_SYS_NICE or an RLIMIT_NICE of 20 (systemd: LimitNICE=+0)", pids=left)
         log.info("standby ready", for_generation=generation, took_s=round(self.ready_after_s, 2),
-                 forkserver_pid=self.forkserver_pid, worker_pids=[w.get("pid") for w in self.workers])
+                 forkserver_pid=self.forkserver_pid, worker_pids=[w.get("pid") for w in self.workers],
+                 resting=self.resting)
+
+    def _restore_policy(self) -> None:
+        """Every process ``rest`` set to SCHED_IDLE back to the normal policy (``standby_sched``).
+        On the event loop, as ``rest``: a system call per thread, well under a millisecond for
+        a standby's few processes, and no claim can land between the policy and its record."""
+        resting, self.resting = self.resting, []
+        refused = standby_sched.restore(resting)
+        if refused:
+            log.warning("could not take the standby's processes back to the normal scheduling policy; "
+                        "what is built in them keeps the resting one", pids=refused)
 
     async def _watch(self, generation: int, vllm_config: Any) -> None:
         """Until claimed: a dead part is replaced (never a serving failure)."""

@@ -20,6 +20,8 @@ import httpx
 import pytest
 
 from chaos import inject
+from executor.procfs import children
+from supervisor import standby_sched
 from chaos.load import PROMPTS, as_reference, compare, run_with_fault
 from tests.chaos.test_recovery import (MAX_TOKENS, _batch, assert_all_exact, assert_clean_generation, finish, start_daemon,
                                       stop_leaves_nothing, wait_state)
@@ -86,6 +88,11 @@ def worker_log(pid: int, waiting_for: str, timeout_s: float = 15.0) -> str:
     return text
 
 
+def thread_policies(pid: int) -> set[int]:
+    """The scheduling policies of a process's threads (``sched_getscheduler`` of each)."""
+    return {os.sched_getscheduler(tid) for tid in standby_sched.threads(pid)}
+
+
 def exact(records, ref) -> None:
     summary = compare(records, ref)
     assert summary["failed"] == 0, [(r.status, r.error) for r in records if r.outcome != "ok"]
@@ -136,6 +143,12 @@ def test_kill_is_recovered_in_the_standby_process(tp1, ray_head):
     # and its parks (one every PARK_S) leave no record in the cluster's task table, where they
     # would crowd an operator's own tasks out of `ray list tasks` (1,800 an hour per worker)
     assert inject.task_records(ray_head.address, "park") == {}, "the standby's parks are recorded as Ray tasks"
+    # while ready, every thread of its worker and of the fork server rests under SCHED_IDLE
+    # (supervisor.standby_sched; root here can take it back), the serving workers do not
+    forkserver = standby["forkserver_pid"]
+    assert standby["resting"] == sorted([standby_pids[0], forkserver])
+    assert {p: thread_policies(p) for p in standby["resting"]} == {p: {os.SCHED_IDLE} for p in standby["resting"]}
+    assert {p: thread_policies(p) for p in serving_pids} == {p: {os.SCHED_OTHER} for p in serving_pids}
 
     records, info = asyncio.run(run_with_fault(daemon.base_url, 4, MAX_TOKENS, lambda: inject.kill_worker(ray_head.address, rank=0)))
     after = daemon.wait_generation(gen + 1)
@@ -150,6 +163,10 @@ def test_kill_is_recovered_in_the_standby_process(tp1, ray_head):
     assert rec["standby"] == {"result": "adopted", "adopted_ranks": [0]}, rec
     # the new generation's worker is the standby's process, started before the fault
     assert [w["pid"] for w in daemon.full_status()["workers"]] == standby_pids
+    # back at the normal policy, as the engine core the fork server forked for this generation
+    cores = children({forkserver})
+    assert cores and {p: thread_policies(p) for p in [*standby_pids, *cores]} == {
+        p: {os.SCHED_OTHER} for p in [*standby_pids, *cores]}
     # and its KV cache is that reserve, not a second GiB faulted in on the recovery's path: the
     # worker says so in its Ray log, where an operator reads it, and did not grow by another GiB
     assert "KV cache allocated from the standby's reserve" in worker_log(standby_pids[0], "standby's reserve")
@@ -164,6 +181,9 @@ def test_kill_is_recovered_in_the_standby_process(tp1, ray_head):
     # and a new standby is prepared for the generation after it
     s2 = daemon.wait_standby(for_generation=gen + 2)
     assert set(w["pid"] for w in s2["standby"]["workers"]).isdisjoint(standby_pids)
+    # resting in its turn: the new worker and the fork server, not the engine core it forked
+    assert s2["standby"]["resting"] == sorted([*(w["pid"] for w in s2["standby"]["workers"]), forkserver])
+    assert {p: thread_policies(p) for p in cores} == {p: {os.SCHED_OTHER} for p in cores}
     metrics = httpx.get(daemon.base_url + "/metrics/supervisor").text
     assert 'vllm_supervisor_standby_state{state="ready"} 1.0' in metrics
     print(f"\nengine_start with the standby: {rec['phases_s']['engine_start']:.1f} s, phases {rec['phases_s']}")

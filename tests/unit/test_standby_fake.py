@@ -387,3 +387,97 @@ def test_process_exits_sees_an_exit_a_zombie_and_a_pid_already_gone(loop):
         uvloop.run(scenario())
     else:
         run(scenario())
+
+
+def test_a_ready_standby_rests_and_every_claim_takes_it_back_first(tmp_path, monkeypatch):
+    """Once ready, the standby's processes on this host rest under SCHED_IDLE
+    (``supervisor.standby_sched``: they run only on a core nothing else wants); the claim of a
+    build sets them back before the build adopts a worker or forks its engine core from the
+    fork server, and the next ready standby rests again. The daemon's own process is never set,
+    whatever pid a part reports; where they could not be taken back they are not set."""
+    import os
+    import subprocess
+    import sys
+
+    from supervisor import standby_sched
+
+    sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
+    procs: dict[str, subprocess.Popen] = {}
+    at_claim: list[dict[int, int]] = []  # every thread's policy as the build got the standby
+    restore = standby_sched.restore
+
+    def restored(pids):
+        refused = restore(pids)
+        at_claim.append({tid: os.sched_getscheduler(tid) for p in pids for tid in standby_sched.threads(p)})
+        return refused
+
+    monkeypatch.setattr(standby_sched, "restore", restored)
+
+    def policies(pid):
+        return {os.sched_getscheduler(tid) for tid in standby_sched.threads(pid)}
+
+    async def scenario():
+        sup = FakeSupervisor(settings(tmp_path))
+        host, b = sup.builder.standby_workers, sup.builder
+        fake_states = host.states
+
+        def process(key):
+            if key not in procs:
+                procs[key] = subprocess.Popen(sleeper)
+            return procs[key]
+
+        host.states = lambda workers: [dict(s, pid=process(w["actor_id"]).pid, local=True)
+                                       for w, s in zip(workers, fake_states(workers))]
+        host.forkserver_pid = lambda: process("forkserver").pid
+        owner = asyncio.create_task(sup.run())
+        await wait_for(lambda: sup.standby.state is StandbyState.READY and sup.standby.resting, 10)
+        worker, server = procs[b.standby_made[0]["actor_id"]].pid, procs["forkserver"].pid
+        assert sup.standby.resting == sorted([worker, server]) == sup.status()["standby"]["resting"]
+        assert policies(worker) == policies(server) == {os.SCHED_IDLE}
+
+        sup.engines[0].die()
+        sup.post(EngineFailed(1, "worker_death", "rank 0 killed"))
+        await wait_for(lambda: sup.recoveries and sup.standby.state is StandbyState.READY and sup.standby.generation == 3, 10)
+        assert b.serving[2] == b.standby_made[0]["actor_id"]  # the build adopted the standby's worker
+        claimed = [c for c in at_claim if c]  # the first, cold build's claim had nothing resting
+        assert claimed and set(claimed[0].values()) == {os.SCHED_OTHER}, at_claim  # set back before it
+        assert policies(worker) == {os.SCHED_OTHER}  # and it serves at the normal policy
+        # the next standby: a new worker, the same fork server, both resting again
+        nxt = procs[b.standby_made[1]["actor_id"]].pid
+        assert sup.standby.resting == sorted([nxt, server]) and policies(nxt) == {os.SCHED_IDLE}
+        owner.cancel()
+        await asyncio.gather(owner, return_exceptions=True)
+
+        # a fake whose parts report the test's own pid (as the pidfd test above): never set
+        sup = FakeSupervisor(settings(tmp_path))
+        host = sup.builder.standby_workers
+        fake_states = host.states
+        host.states = lambda workers: [dict(s, pid=os.getpid(), local=True) for s in fake_states(workers)]
+        host.forkserver_pid = lambda: os.getpid()
+        owner = asyncio.create_task(sup.run())
+        await wait_for(lambda: sup.standby.state is StandbyState.READY, 10)
+        assert sup.standby.resting == [] and os.sched_getscheduler(0) == os.SCHED_OTHER
+        owner.cancel()
+        await asyncio.gather(owner, return_exceptions=True)
+
+        # a daemon that could not take them back leaves them at the normal policy, and says so
+        monkeypatch.setattr(standby_sched, "can_rest", lambda pid, privileged: False)
+        procs.clear()
+        sup = FakeSupervisor(settings(tmp_path))
+        host = sup.builder.standby_workers
+        fake_states = host.states
+        host.states = lambda workers: [dict(s, pid=process(w["actor_id"]).pid, local=True)
+                                       for w, s in zip(workers, fake_states(workers))]
+        host.forkserver_pid = lambda: process("forkserver").pid
+        owner = asyncio.create_task(sup.run())
+        await wait_for(lambda: sup.standby.state is StandbyState.READY, 10)
+        assert sup.standby.resting == [] and all(policies(p.pid) == {os.SCHED_OTHER} for p in procs.values())
+        owner.cancel()
+        await asyncio.gather(owner, return_exceptions=True)
+
+    try:
+        run(scenario())
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait()

@@ -1,0 +1,107 @@
+"""The ready standby's processes rest under ``SCHED_IDLE`` while they wait.
+
+A ready standby does almost nothing: its parked worker's Ray and gRPC threads wake about 64 times
+a second for 4 ms of a core, and the engine core's fork server sleeps. On a host whose cores the
+model takes (vLLM's CPU backend), that small share still competes with the serving threads.
+Measured within one daemon at saturation on 2 cores (docs/benchmarks.md, "The standby toggled
+within one daemon"), the first token came sooner with the standby's threads under ``SCHED_IDLE``
+(ratio median 0.86, lower in 13 of 18 blocks), as with the standby stopped outright; under
+``SCHED_BATCH`` (which only gives up preempting on wake-up) it did not.
+
+So once the standby is ready, every thread of its processes on this host (Linux policies are per
+thread) is set to ``SCHED_IDLE`` (``sched(7)``): it runs only on a core nothing else wants. Only
+where the daemon can take it back: it holds ``CAP_SYS_NICE``, or the process's ``RLIMIT_NICE``
+allows nice 0 (leaving ``SCHED_IDLE`` counts as raising the priority to the kernel; systemd's
+``LimitNICE=+0``, which the units in ``systemd/`` set). Elsewhere the standby waits at the normal
+policy, as before.
+
+The claim of a build takes every rested process back to ``SCHED_OTHER`` before the build runs in it
+(an adopted worker) or forks from it (the engine core a fork server starts inherits the policy of
+the thread that forks it). Threads started meanwhile inherit ``SCHED_IDLE``; ``restore`` reads the
+threads again, so they are taken back too. Niceness is untouched (Ray's ``worker_niceness`` stays
+as ``executor.ray_v2`` sets it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+CAP_SYS_NICE = 23
+NICE_0 = 20  # RLIMIT_NICE's value that allows nice 0: its ceiling is 20 - limit
+
+
+def threads(pid: int) -> list[int]:
+    """The thread ids of ``pid`` (none once it has exited)."""
+    try:
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except FileNotFoundError:
+        return []
+
+
+def has_cap_sys_nice() -> bool:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("CapEff:"):
+            return bool(int(line.split()[1], 16) >> CAP_SYS_NICE & 1)
+    return False
+
+
+def nice_limit(pid: int) -> int:
+    """``pid``'s soft ``RLIMIT_NICE`` (``/proc/<pid>/limits``; 0 when unreadable)."""
+    try:
+        for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
+            if line.startswith("Max nice priority"):
+                soft = line.split()[3]
+                return 1 << 30 if soft == "unlimited" else int(soft)
+    except OSError:
+        pass
+    return 0
+
+
+def can_rest(pid: int, privileged: bool) -> bool:
+    """Whether ``pid`` can be taken back from ``SCHED_IDLE``: the daemon is ``privileged``
+    (``CAP_SYS_NICE``) or ``pid``'s ``RLIMIT_NICE`` allows nice 0."""
+    return privileged or nice_limit(pid) >= NICE_0
+
+
+def set_policy(pid: int, policy: int) -> int:
+    """Every thread of ``pid`` under ``policy`` (priority 0); how many were set. A thread or a
+    process that exits meanwhile is skipped."""
+    done = 0
+    for tid in threads(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setscheduler(tid, policy, os.sched_param(0))
+            done += 1
+    return done
+
+
+def rest(pids: list[int]) -> tuple[list[int], list[int]]:
+    """Each of ``pids`` that ``can_rest`` under ``SCHED_IDLE``: (the pids set, those left at
+    the normal policy). A process that refuses (another owner) is left as it was, and so is the
+    daemon's own (a standby is never the daemon; a test's fake may name it)."""
+    privileged = has_cap_sys_nice()
+    rested, left = [], []
+    for pid in (p for p in pids if p != os.getpid()):
+        try:
+            if can_rest(pid, privileged) and set_policy(pid, os.SCHED_IDLE):
+                rested.append(pid)
+                continue
+        except PermissionError:  # another owner's process: as it was
+            with contextlib.suppress(PermissionError):
+                set_policy(pid, os.SCHED_OTHER)
+        left.append(pid)
+    return rested, left
+
+
+def restore(pids: list[int]) -> list[int]:
+    """Every thread of ``pids`` back to ``SCHED_OTHER``; the pids that refused (none expected:
+    ``rest`` set only those it can take back)."""
+    refused = []
+    for pid in pids:
+        try:
+            set_policy(pid, os.SCHED_OTHER)
+        except PermissionError:
+            refused.append(pid)
+    return refused
+
