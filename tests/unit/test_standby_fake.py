@@ -22,6 +22,17 @@ async def started_with_standby(tmp_path):
     return sup, sup.builder, owner
 
 
+def run_killing(scenario, procs: dict) -> None:
+    """Run ``scenario``, then kill every process it started into ``procs``, however it ended."""
+    try:
+        run(scenario)
+    finally:
+        for p in procs.values():
+            if p is not None:
+                p.kill()
+                p.wait()
+
+
 def test_standby_is_prepared_adopted_and_prepared_again(tmp_path):
     async def scenario():
         sup, b, owner = await started_with_standby(tmp_path)
@@ -306,13 +317,7 @@ def test_a_ready_standby_on_this_host_is_waited_on_not_polled(tmp_path, monkeypa
         owner.cancel()
         await asyncio.gather(owner, return_exceptions=True)
 
-    try:
-        run(scenario())
-    finally:
-        for p in procs.values():
-            if p is not None:
-                p.kill()
-                p.wait()
+    run_killing(scenario(), procs)
 
 
 def test_a_host_without_pidfds_polls_the_standby_and_still_replaces_a_dead_one(tmp_path, monkeypatch):
@@ -416,20 +421,28 @@ def test_a_ready_standby_rests_and_every_claim_takes_it_back_first(tmp_path, mon
     def policies(pid):
         return {os.sched_getscheduler(tid) for tid in standby_sched.threads(pid)}
 
-    async def scenario():
+    def process(key):
+        if key not in procs:
+            procs[key] = subprocess.Popen(sleeper)
+        return procs[key]
+
+    async def started(pid_of):
+        """A fake daemon whose standby's parts run on this host as the pids ``pid_of`` names."""
         sup = FakeSupervisor(settings(tmp_path))
-        host, b = sup.builder.standby_workers, sup.builder
+        host = sup.builder.standby_workers
         fake_states = host.states
-
-        def process(key):
-            if key not in procs:
-                procs[key] = subprocess.Popen(sleeper)
-            return procs[key]
-
-        host.states = lambda workers: [dict(s, pid=process(w["actor_id"]).pid, local=True)
+        host.states = lambda workers: [dict(s, pid=pid_of(w["actor_id"]), local=True)
                                        for w, s in zip(workers, fake_states(workers))]
-        host.forkserver_pid = lambda: process("forkserver").pid
-        owner = asyncio.create_task(sup.run())
+        host.forkserver_pid = lambda: pid_of("forkserver")
+        return sup, asyncio.create_task(sup.run())
+
+    async def stopped(owner):
+        owner.cancel()
+        await asyncio.gather(owner, return_exceptions=True)
+
+    async def scenario():
+        sup, owner = await started(lambda key: process(key).pid)
+        b = sup.builder
         await wait_for(lambda: sup.standby.state is StandbyState.READY and sup.standby.resting, 10)
         worker, server = procs[b.standby_made[0]["actor_id"]].pid, procs["forkserver"].pid
         assert sup.standby.resting == sorted([worker, server]) == sup.status()["standby"]["resting"]
@@ -445,39 +458,21 @@ def test_a_ready_standby_rests_and_every_claim_takes_it_back_first(tmp_path, mon
         # the next standby: a new worker, the same fork server, both resting again
         nxt = procs[b.standby_made[1]["actor_id"]].pid
         assert sup.standby.resting == sorted([nxt, server]) and policies(nxt) == {os.SCHED_IDLE}
-        owner.cancel()
-        await asyncio.gather(owner, return_exceptions=True)
+        await stopped(owner)
 
         # a fake whose parts report the test's own pid (as the pidfd test above): never set
-        sup = FakeSupervisor(settings(tmp_path))
-        host = sup.builder.standby_workers
-        fake_states = host.states
-        host.states = lambda workers: [dict(s, pid=os.getpid(), local=True) for s in fake_states(workers)]
-        host.forkserver_pid = lambda: os.getpid()
-        owner = asyncio.create_task(sup.run())
+        sup, owner = await started(lambda key: os.getpid())
         await wait_for(lambda: sup.standby.state is StandbyState.READY, 10)
         assert sup.standby.resting == [] and os.sched_getscheduler(0) == os.SCHED_OTHER
-        owner.cancel()
-        await asyncio.gather(owner, return_exceptions=True)
+        await stopped(owner)
 
-        # a daemon that could not take them back leaves them at the normal policy, and says so
+        # a daemon that could not take them back leaves them at the normal policy
         monkeypatch.setattr(standby_sched, "can_rest", lambda pid, privileged: False)
-        procs.clear()
-        sup = FakeSupervisor(settings(tmp_path))
-        host = sup.builder.standby_workers
-        fake_states = host.states
-        host.states = lambda workers: [dict(s, pid=process(w["actor_id"]).pid, local=True)
-                                       for w, s in zip(workers, fake_states(workers))]
-        host.forkserver_pid = lambda: process("forkserver").pid
-        owner = asyncio.create_task(sup.run())
+        sup, owner = await started(lambda key: process(f"unrestable-{key}").pid)
         await wait_for(lambda: sup.standby.state is StandbyState.READY, 10)
-        assert sup.standby.resting == [] and all(policies(p.pid) == {os.SCHED_OTHER} for p in procs.values())
-        owner.cancel()
-        await asyncio.gather(owner, return_exceptions=True)
+        unrestable = [p.pid for key, p in procs.items() if key.startswith("unrestable-")]
+        assert sup.standby.resting == [] and len(unrestable) == 2
+        assert all(policies(pid) == {os.SCHED_OTHER} for pid in unrestable)
+        await stopped(owner)
 
-    try:
-        run(scenario())
-    finally:
-        for p in procs.values():
-            p.kill()
-            p.wait()
+    run_killing(scenario(), procs)
