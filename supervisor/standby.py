@@ -321,7 +321,7 @@ class Standby:
         self._to(StandbyState.READY, f"ready in {self.ready_after_s:.1f} s")
         if "rest" not in self._without:  # in the same turn of the loop as READY: no claim between
             rested, left = standby_sched.rest(list(self._part_pids()[0].values()))
-            self.resting = sorted(set(self.resting) | set(rested))
+            self.resting = sorted(set(rested) | {p for p in self.resting if standby_sched.threads(p)})
             if left:
                 log.info("the standby waits at the normal scheduling policy: taking it back from SCHED_IDLE needs "
                          "CAP_SYS_NICE or an RLIMIT_NICE of 20 (systemd: LimitNICE=+0)", pids=left)

@@ -95,12 +95,16 @@ def rest(pids: list[int]) -> tuple[list[int], list[int]]:
 
 
 def restore(pids: list[int]) -> list[int]:
-    """Every thread of ``pids`` back to ``SCHED_OTHER``; the pids that refused (none expected:
-    ``rest`` set only those it can take back)."""
+    """Every thread of ``pids`` under ``SCHED_IDLE`` back to ``SCHED_OTHER``; the pids that
+    refused (none expected: ``rest`` set only those it can take back). Only ``SCHED_IDLE``
+    threads: a pid that died and was given to another process keeps whatever policy it has."""
     refused = []
     for pid in pids:
         try:
-            set_policy(pid, os.SCHED_OTHER)
+            for tid in threads(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    if os.sched_getscheduler(tid) == os.SCHED_IDLE:
+                        os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
         except PermissionError:
             refused.append(pid)
     return refused

@@ -63,6 +63,13 @@ def test_a_process_rests_only_where_it_can_be_taken_back(child, monkeypatch):
     assert set(policies(child.pid).values()) == {os.SCHED_OTHER}
 
 
+def test_restore_takes_back_only_what_rests(child):
+    # a pid given to another process keeps its own policy: only SCHED_IDLE threads are set back
+    os.sched_setscheduler(child.pid, os.SCHED_BATCH, os.sched_param(0))
+    assert standby_sched.restore([child.pid]) == []
+    assert os.sched_getscheduler(child.pid) == os.SCHED_BATCH
+
+
 def test_the_daemon_itself_and_a_process_gone_are_left_alone():
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
