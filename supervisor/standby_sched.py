@@ -88,8 +88,7 @@ def rest(pids: list[int]) -> tuple[list[int], list[int]]:
                 rested.append(pid)
                 continue
         except PermissionError:  # another owner's process: as it was
-            with contextlib.suppress(PermissionError):
-                set_policy(pid, os.SCHED_OTHER)
+            restore([pid])
         left.append(pid)
     return rested, left
 

@@ -84,3 +84,14 @@ def test_nice_limit_reads_the_soft_limit_of_the_process():
     soft, _ = resource.getrlimit(resource.RLIMIT_NICE)
     assert standby_sched.nice_limit(os.getpid()) == (1 << 30 if soft == resource.RLIM_INFINITY else soft)
     assert standby_sched.nice_limit(2**22 + 12345) == 0  # no such process
+
+
+def test_a_process_that_refuses_is_left_as_it_was(child, monkeypatch):
+    # another owner's process: EPERM on its first thread; whatever was set of it is taken back
+    def refuse_after_one(pid, policy):
+        os.sched_setscheduler(standby_sched.threads(pid)[0], policy, os.sched_param(0))
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(standby_sched, "set_policy", refuse_after_one)
+    assert standby_sched.rest([child.pid]) == ([], [child.pid])
+    assert set(policies(child.pid).values()) == {os.SCHED_OTHER}

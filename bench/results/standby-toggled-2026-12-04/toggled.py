@@ -44,6 +44,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from bench.serving_overhead import SaturationLoad, measure, report, standby_pids, stopped, warm_rounds
+from supervisor import standby_sched
 
 KEYS = ("output_throughput", "cpu_ms_per_token", "p50_ttft_ms", "p50_itl_ms", "ttft_prefill_ms", "step_ms")
 SAME_STATE = 0.1
@@ -54,7 +55,7 @@ class Load(SaturationLoad):
 
 
 def threads(pids: list[int]) -> list[int]:
-    return [int(t) for pid in pids for t in os.listdir(f"/proc/{pid}/task")]
+    return [tid for pid in pids for tid in standby_sched.threads(pid)]
 
 
 @contextlib.contextmanager
