@@ -170,8 +170,9 @@ class Standby:
         if mine:  # decided before the first await: no other build can take it meanwhile
             self._to(StandbyState.ADOPTING, f"building generation {generation}")
         # Any build forks its engine core from the fork server, and this one may adopt the
-        # workers: both back at the normal policy, before the first await.
-        self._restore_policy()
+        # workers: back at the normal policy, before the first await. A build that is not the
+        # standby's own only forks: its workers rest on for the build they are kept for.
+        self._restore_policy(only=[self.forkserver_pid] if busy else None)
         if busy:
             return {"namespace": None, "forkserver": await asyncio.to_thread(self.host.forkserver_alive)}
         async with self._creating:  # an actor creation in flight finishes first
@@ -329,11 +330,13 @@ class Standby:
                  forkserver_pid=self.forkserver_pid, worker_pids=[w.get("pid") for w in self.workers],
                  resting=self.resting)
 
-    def _restore_policy(self) -> None:
-        """Every process ``rest`` set to SCHED_IDLE back to the normal policy (``standby_sched``).
-        On the event loop, as ``rest``: a system call per thread, well under a millisecond for
-        a standby's few processes, and no claim can land between the policy and its record."""
-        resting, self.resting = self.resting, []
+    def _restore_policy(self, only: list[int | None] | None = None) -> None:
+        """Every process ``rest`` set to SCHED_IDLE (or those of them in ``only``) back to the normal
+        policy (``standby_sched``). On the event loop, as ``rest``: a system call per thread,
+        well under a millisecond for a standby's few processes, and no claim can land between
+        the policy and its record."""
+        resting = [p for p in self.resting if only is None or p in only]
+        self.resting = [p for p in self.resting if p not in resting]
         refused = standby_sched.restore(resting)
         if refused:
             log.warning("could not take the standby's processes back to the normal scheduling policy; "

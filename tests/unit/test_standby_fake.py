@@ -447,13 +447,19 @@ def test_a_ready_standby_rests_and_every_claim_takes_it_back_first(tmp_path, mon
         worker, server = procs[b.standby_made[0]["actor_id"]].pid, procs["forkserver"].pid
         assert sup.standby.resting == sorted([worker, server]) == sup.status()["standby"]["resting"]
         assert policies(worker) == policies(server) == {os.SCHED_IDLE}
+        # a build of another number (one placed while another adopts) forks from the fork
+        # server only: that comes back, the worker rests on for the build it is kept for
+        assert (await sup.standby.claim(sup.standby.generation + 7))["namespace"] is None
+        assert policies(server) == {os.SCHED_OTHER} and policies(worker) == {os.SCHED_IDLE}
+        assert sup.standby.resting == [worker] and sup.standby.state is StandbyState.READY
 
         sup.engines[0].die()
         sup.post(EngineFailed(1, "worker_death", "rank 0 killed"))
         await wait_for(lambda: sup.recoveries and sup.standby.state is StandbyState.READY and sup.standby.generation == 3, 10)
         assert b.serving[2] == b.standby_made[0]["actor_id"]  # the build adopted the standby's worker
         claimed = [c for c in at_claim if c]  # the first, cold build's claim had nothing resting
-        assert claimed and set(claimed[0].values()) == {os.SCHED_OTHER}, at_claim  # set back before it
+        assert len(claimed) == 2 and set(claimed[1]) == set(standby_sched.threads(worker)), at_claim
+        assert set(claimed[1].values()) == {os.SCHED_OTHER}, at_claim  # the worker set back before the build
         assert policies(worker) == {os.SCHED_OTHER}  # and it serves at the normal policy
         # the next standby: a new worker, the same fork server, both resting again
         nxt = procs[b.standby_made[1]["actor_id"]].pid
