@@ -29,6 +29,17 @@ Without ``--interleave`` only one server is up at a time, which is what the ``mp
 
     python -m bench.serving_overhead --saturation --interleave --rounds 10 --num-prompts 200 \
         --kinds vllm_serve daemon_standby_none
+
+``--interleave --alone``: as ``--interleave``, but every server other than the one measured is
+stopped (SIGSTOP: its own processes and the Ray workers that appeared while it started) over each
+window, and the measured one is continued ``--thaw-s`` before it. Each window then runs as if its
+server were alone on the host (its worker has core 0 to itself, no idle neighbour probes), while
+the windows of a round are seconds apart: this host's two speeds (the gauge's Python loop at
+0.8-1.0 or 1.2-1.5 ms, every process's CPU per token 30-40 % apart), which last minutes, fall on
+the servers of a round alike far more often than with a server started for each window.
+
+    python -m bench.serving_overhead --saturation --interleave --alone --rounds 12 --client-nice -10 \
+        --settle-s 60 --kinds vllm_serve daemon daemon_standby_none
 """
 
 from __future__ import annotations
@@ -454,21 +465,65 @@ def run_rounds(kinds: list[str], work: Path, head: RayHead, args) -> dict[str, l
     return runs
 
 
+def ray_workers(head: RayHead) -> set[int]:
+    """The Ray head's worker processes that run something (``ray::…``, not ``ray::IDLE``)."""
+    from executor import procfs
+
+    return {pid for pid in tree([], head.marker)
+            if (title := (procfs.read(pid, "cmdline") or b"").split(b"\0")[0]).startswith(b"ray::")
+            and title != b"ray::IDLE"}
+
+
+def server_pids(server, workers: set[int]) -> list[int]:
+    """``server``'s processes now: its own tree and its Ray workers still alive (``workers``: the
+    Ray head's that appeared while it started, its engine's and its standby's)."""
+    return sorted(set(tree(server.proc.pid)) | {p for p in workers if os.path.exists(f"/proc/{p}")})
+
+
+@contextlib.contextmanager
+def alone(kind: str, servers: dict[str, Any], workers: dict[str, set[int]], thaw_s: float) -> Iterator[None]:
+    """``kind``'s server continued (SIGCONT) ``thaw_s`` before the block, so that what its timers
+    owe is done before the window, and stopped again (SIGSTOP) after it; the others stay stopped."""
+    pids = server_pids(servers[kind], workers[kind])
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+    try:
+        time.sleep(thaw_s)
+        yield
+    finally:
+        for pid in server_pids(servers[kind], workers[kind]):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+
+
 def run_interleaved(kinds: list[str], work: Path, head: RayHead, args) -> dict[str, list[dict]]:
-    """Every server up at once; each round measures each, the order reversed every other round."""
+    """Every server up at once; each round measures each, the order reversed every other round.
+    ``args.alone``: every server but the one measured is stopped (SIGSTOP, its Ray workers with
+    it) over each window, as if it were alone on the host."""
     runs: dict[str, list[dict]] = {k: [] for k in kinds}
-    servers = {}
+    servers, workers = {}, {}
     try:
         for kind in kinds:
             (work / kind).mkdir()
+            before = ray_workers(head)
             servers[kind] = start(kind, work / kind, head, engine_flags(args))
+            workers[kind] = ray_workers(head) - before  # started one after the other: each its own
         for kind in kinds:
             warm_up(servers[kind], work / kind, kind, args)
         time.sleep(args.settle_s)
+        if args.alone:
+            for kind in kinds:
+                for pid in server_pids(servers[kind], workers[kind]):
+                    os.kill(pid, signal.SIGSTOP)
         for r, kind in alternating(kinds, args.rounds):
-            runs[kind].append(report(r, kind, measure(servers[kind], work / kind, f"{kind}-{r}", head, args)))
+            with alone(kind, servers, workers, args.thaw_s) if args.alone else contextlib.nullcontext():
+                runs[kind].append(report(r, kind, measure(servers[kind], work / kind, f"{kind}-{r}", head, args)))
     finally:
-        for server in servers.values():
+        for kind, server in servers.items():
+            for pid in server_pids(server, workers.get(kind, set())):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
             server.stop()
     return runs
 
@@ -497,6 +552,12 @@ def main() -> int:
     parser.add_argument("--saturation", action="store_true", help="no rate limit, --max-concurrency streams")
     parser.add_argument("--interleave", action="store_true",
                         help="start the servers once, side by side, and alternate them within each round")
+    parser.add_argument("--alone", action="store_true",
+                        help="with --interleave: every server but the one measured stopped (SIGSTOP) over each "
+                             "window, so that each window runs as if its server were alone on the host, seconds "
+                             "from the others' windows")
+    parser.add_argument("--thaw-s", type=float, default=5.0,
+                        help="with --alone: seconds a server runs after it is continued before its window")
     parser.add_argument("--num-prompts", type=int)
     parser.add_argument("--rate", type=float)
     parser.add_argument("--max-concurrency", type=int)
@@ -515,6 +576,8 @@ def main() -> int:
                              "(memory, caches) from a steady cost; every kind waits the same")
     parser.add_argument("--kinds", nargs="+", choices=list(LABELS), help="servers, in this order in the first round (vllm_serve first); the order is reversed every other round")
     args = parser.parse_args()
+    if args.alone and not args.interleave:
+        parser.error("--alone stops the servers that are not measured: it needs --interleave")
     defaults = ({"num_prompts": 400, "rate": float("inf"), "max_concurrency": 8, "input_len": 32, "output_len": 64}
                 if args.saturation else {"num_prompts": 64, "rate": 16.0, "max_concurrency": None, "input_len": 64, "output_len": 64})
     for key, value in defaults.items():
@@ -553,7 +616,9 @@ def main() -> int:
     table = [
         f"Serving overhead, {time.strftime('%Y-%m-%d')}: {args.rounds} "
         f"{'interleaved rounds (the servers up side by side, the order reversed every other round)' if args.interleave else 'rounds, each server alone, the order reversed every other round'}, "
-        f"{args.num_prompts} prompts, "
+        + (f"every server but the one measured stopped (SIGSTOP) over each window and continued {args.thaw_s:g} s before its own, "
+           if args.alone else "")
+        + f"{args.num_prompts} prompts, "
         f"{mode}, {args.input_len} in / {args.output_len} out tokens, TP=1, demo model on CPU, Ray V2 servers on one Ray head, mp servers without Ray"
         + (f", the client in a session of its own at niceness {args.client_nice}" if args.client_nice else "")
         + (f", each server left idle {args.settle_s:g} s after its warm-up" if args.settle_s else ""),
@@ -600,7 +665,8 @@ def main() -> int:
           + " |" for n in names[:12]],
     ]
     text = "\n".join(table) + "\n"
-    name = ("serving_saturation" if args.saturation else "serving_overhead") + ("_interleaved" if args.interleave else "")
+    name = (("serving_saturation" if args.saturation else "serving_overhead") + ("_interleaved" if args.interleave else "")
+            + ("_alone" if args.alone else ""))
     (args.out / f"{name}.md").write_text(text)
     (args.out / f"{name}.json").write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "rows": rows,
                                                          "goals": goals, "rest_by_process": rest}, indent=2))
