@@ -114,7 +114,11 @@ def main() -> int:
     args = parser.parse_args()
     results = {}
     for run in args.runs:
-        result = json.loads((run / "serving_saturation.json").read_text())
+        found = sorted(run.glob("serving_saturation*.json"))  # also ``_interleaved`` and ``_interleaved_alone``
+        if len(found) != 1:
+            print(f"{run.name}: {len(found)} saturation results (one expected), left out")
+            continue
+        result = json.loads(found[0].read_text())
         keys = {k for row in result["rows"] for k in row}
         if args.kind in keys and "vllm_serve" in keys and (args.same_state is None or any(
                 row["key"] == GAUGE for row in result["rows"])):
