@@ -34,9 +34,11 @@ Without ``--interleave`` only one server is up at a time, which is what the ``mp
 stopped (SIGSTOP: its own processes and the Ray workers that appeared while it started) over each
 window, and the measured one is continued ``--thaw-s`` before it. Each window then runs as if its
 server were alone on the host (its worker has core 0 to itself, no idle neighbour probes), while
-the windows of a round are seconds apart: this host's two speeds (the gauge's Python loop at
-0.8-1.0 or 1.2-1.5 ms, every process's CPU per token 30-40 % apart), which last minutes, fall on
-the servers of a round alike far more often than with a server started for each window.
+a round's windows are about 40 s apart instead of 2.3 min: three to four times the rounds an hour.
+It does not keep a round in one host state: this host's two speeds (the gauge's Python loop at
+0.8-1.0 or 1.2-1.5 ms, every process's CPU per token 30-40 % apart) change within a minute, and 13
+of the first 24 rounds mixed them (22 of 78 with a server started per window): ``bench.pooled
+--same-state`` still sorts them.
 
     python -m bench.serving_overhead --saturation --interleave --alone --rounds 12 --client-nice -10 \
         --settle-s 60 --kinds vllm_serve daemon daemon_standby_none
