@@ -467,36 +467,48 @@ def run_rounds(kinds: list[str], work: Path, head: RayHead, args) -> dict[str, l
     return runs
 
 
-def ray_workers(head: RayHead) -> set[int]:
-    """The Ray head's worker processes that run something (``ray::…``, not ``ray::IDLE``)."""
+def ray_workers(head: RayHead) -> dict[int, int]:
+    """The Ray head's worker processes that run something (``ray::…``, not ``ray::IDLE``): pid →
+    start time, so that a pid reused by another process is not taken for one of them."""
     from executor import procfs
 
-    return {pid for pid in tree([], head.marker)
-            if (title := (procfs.read(pid, "cmdline") or b"").split(b"\0")[0]).startswith(b"ray::")
-            and title != b"ray::IDLE"}
+    out = {}
+    for pid in tree([], head.marker):
+        title = (procfs.read(pid, "cmdline") or b"").split(b"\0")[0]
+        if title.startswith(b"ray::") and title != b"ray::IDLE" and (started := procfs.start_time(pid)) is not None:
+            out[pid] = started
+    return out
 
 
-def server_pids(server, workers: set[int]) -> list[int]:
-    """``server``'s processes now: its own tree and its Ray workers still alive (``workers``: the
-    Ray head's that appeared while it started, its engine's and its standby's)."""
-    return sorted(set(tree(server.proc.pid)) | {p for p in workers if os.path.exists(f"/proc/{p}")})
+def server_pids(server, workers: dict[int, int]) -> list[int]:
+    """``server``'s processes now: its own tree and those of its Ray workers still alive
+    (``workers``, pid → start time: the Ray head's that appeared while it started or ran)."""
+    from executor import procfs
+
+    return sorted(set(tree(server.proc.pid)) | {p for p, t in workers.items() if procfs.start_time(p) == t})
+
+
+def signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
 
 
 @contextlib.contextmanager
-def alone(kind: str, servers: dict[str, Any], workers: dict[str, set[int]], thaw_s: float) -> Iterator[None]:
+def alone(kind: str, servers: dict[str, Any], workers: dict[str, dict[int, int]], head: RayHead,
+          thaw_s: float) -> Iterator[None]:
     """``kind``'s server continued (SIGCONT) ``thaw_s`` before the block, so that what its timers
-    owe is done before the window, and stopped again (SIGSTOP) after it; the others stay stopped."""
-    pids = server_pids(servers[kind], workers[kind])
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGCONT)
+    owe is done before the window, and stopped again (SIGSTOP) after it, with the Ray workers that
+    appeared meanwhile (a standby's replacement, a rebuild's: every other server is stopped, so
+    they are its own); the others stay stopped."""
+    signal_all(server_pids(servers[kind], workers[kind]), signal.SIGCONT)
     try:
         time.sleep(thaw_s)
         yield
     finally:
-        for pid in server_pids(servers[kind], workers[kind]):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGSTOP)
+        workers[kind].update({p: t for p, t in ray_workers(head).items()
+                              if not any(w.get(p) == t for w in workers.values())})
+        signal_all(server_pids(servers[kind], workers[kind]), signal.SIGSTOP)
 
 
 def run_interleaved(kinds: list[str], work: Path, head: RayHead, args) -> dict[str, list[dict]]:
@@ -504,29 +516,33 @@ def run_interleaved(kinds: list[str], work: Path, head: RayHead, args) -> dict[s
     ``args.alone``: every server but the one measured is stopped (SIGSTOP, its Ray workers with
     it) over each window, as if it were alone on the host."""
     runs: dict[str, list[dict]] = {k: [] for k in kinds}
-    servers, workers = {}, {}
+    servers: dict[str, Any] = {}
+    workers: dict[str, dict[int, int]] = {}
     try:
         for kind in kinds:
             (work / kind).mkdir()
             before = ray_workers(head)
             servers[kind] = start(kind, work / kind, head, engine_flags(args))
-            workers[kind] = ray_workers(head) - before  # started one after the other: each its own
+            # started one after the other: the Ray workers that appeared are each server's own
+            workers[kind] = {p: t for p, t in ray_workers(head).items() if before.get(p) != t}
         for kind in kinds:
             warm_up(servers[kind], work / kind, kind, args)
         time.sleep(args.settle_s)
         if args.alone:
             for kind in kinds:
-                for pid in server_pids(servers[kind], workers[kind]):
-                    os.kill(pid, signal.SIGSTOP)
+                signal_all(server_pids(servers[kind], workers[kind]), signal.SIGSTOP)
         for r, kind in alternating(kinds, args.rounds):
-            with alone(kind, servers, workers, args.thaw_s) if args.alone else contextlib.nullcontext():
+            with alone(kind, servers, workers, head, args.thaw_s) if args.alone else contextlib.nullcontext():
                 runs[kind].append(report(r, kind, measure(servers[kind], work / kind, f"{kind}-{r}", head, args)))
     finally:
+        for kind, server in servers.items():  # every one continued before any is stopped
+            signal_all(server_pids(server, workers.get(kind, {})), signal.SIGCONT)
         for kind, server in servers.items():
-            for pid in server_pids(server, workers.get(kind, set())):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGCONT)
-            server.stop()
+            try:
+                server.stop()
+            except Exception:
+                traceback.print_exc()
+                print(f"could not stop {kind}; stopping the others", flush=True)
     return runs
 
 

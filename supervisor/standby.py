@@ -84,8 +84,11 @@ class Standby:
         self.ready_after_s: float | None = None  # the settle's end → READY, last time
         self.watch = ""  # how the ready standby's death is seen: "exits" (waited on) or "polled"
         # The standby's processes on this host under SCHED_IDLE while it is ready
-        # (``standby_sched``); every claim takes them all back, whatever came between.
+        # (``standby_sched``). The claim of the build it is kept for takes them all back; any
+        # other build's claim takes the fork server back, and the fork server does not rest
+        # again while such a build may still fork from it (``_forking``: their generations).
         self.resting: list[int] = []
+        self._forking: set[int] = set()
         self.last_error = ""
         self._task: asyncio.Task | None = None
         self._creating = asyncio.Lock()
@@ -171,7 +174,10 @@ class Standby:
             self._to(StandbyState.ADOPTING, f"building generation {generation}")
         # Any build forks its engine core from the fork server, and this one may adopt the
         # workers: back at the normal policy, before the first await. A build that is not the
-        # standby's own only forks: its workers rest on for the build they are kept for.
+        # standby's own only forks: its workers rest on for the build they are kept for, and
+        # the fork server does not rest again until that build is built or has failed.
+        if not mine:
+            self._forking.add(generation)
         self._restore_policy(only=[self.forkserver_pid] if busy else None)
         if busy:
             return {"namespace": None, "forkserver": await asyncio.to_thread(self.host.forkserver_alive)}
@@ -198,6 +204,7 @@ class Standby:
     def adopted(self, generation: int, serving_workers: list[dict[str, Any]], count: bool = True) -> dict[str, Any]:
         """After a successful build: which ranks run in a standby's process. ``count``: false
         for the daemon's first engine, which has no standby to adopt."""
+        self._forking.discard(generation)  # its engine core is forked
         mine = self._adopted_by(generation)
         ids = {w["actor_id"]: w for w in self.workers} if mine else {}
         adopted = sorted(w["rank"] for w in serving_workers if w.get("actor_id") in ids)
@@ -220,6 +227,7 @@ class Standby:
     def build_failed(self, generation: int) -> None:
         """The build of ``generation`` failed; if it claimed the standby, its cleanup killed
         what it adopted (the standby's workers carry that generation's names)."""
+        self._forking.discard(generation)
         if self._adopted_by(generation):
             self.workers = []
             self._to(StandbyState.OFF, "the build that claimed it failed")
@@ -321,7 +329,8 @@ class Standby:
         self.ready_after_s = time.monotonic() - started
         self._to(StandbyState.READY, f"ready in {self.ready_after_s:.1f} s")
         if "rest" not in self._without:  # in the same turn of the loop as READY: no claim between
-            rested, left = standby_sched.rest(list(self._part_pids()[0].values()))
+            parts = self._part_pids()[0].values()
+            rested, left = standby_sched.rest([p for p in parts if not (self._forking and p == self.forkserver_pid)])
             self.resting = sorted(set(rested) | {p for p in self.resting if standby_sched.threads(p)})
             if left:
                 log.info("the standby waits at the normal scheduling policy: taking it back from SCHED_IDLE needs "

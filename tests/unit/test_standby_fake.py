@@ -394,12 +394,14 @@ def test_process_exits_sees_an_exit_a_zombie_and_a_pid_already_gone(loop):
         run(scenario())
 
 
-def test_a_ready_standby_rests_and_every_claim_takes_it_back_first(tmp_path, monkeypatch):
+def test_a_ready_standby_rests_and_each_claim_takes_back_what_its_build_uses(tmp_path, monkeypatch):
     """Once ready, the standby's processes on this host rest under SCHED_IDLE
-    (``supervisor.standby_sched``: they run only on a core nothing else wants); the claim of a
-    build sets them back before the build adopts a worker or forks its engine core from the
-    fork server, and the next ready standby rests again. The daemon's own process is never set,
-    whatever pid a part reports; where they could not be taken back they are not set."""
+    (``supervisor.standby_sched``: they run only on a core nothing else wants); the claim of the
+    build it is kept for sets them back before the build adopts a worker or forks its engine core
+    from the fork server, and the next ready standby rests again. Another build's claim sets back
+    the fork server only, which rests again only once that build is done. The daemon's own
+    process is never set, whatever pid a part reports; where they could not be taken back they
+    are not set."""
     import os
     import subprocess
     import sys
@@ -449,7 +451,8 @@ def test_a_ready_standby_rests_and_every_claim_takes_it_back_first(tmp_path, mon
         assert policies(worker) == policies(server) == {os.SCHED_IDLE}
         # a build of another number (one placed while another adopts) forks from the fork
         # server only: that comes back, the worker rests on for the build it is kept for
-        assert (await sup.standby.claim(sup.standby.generation + 7))["namespace"] is None
+        other = sup.standby.generation + 7
+        assert (await sup.standby.claim(other))["namespace"] is None
         assert policies(server) == {os.SCHED_OTHER} and policies(worker) == {os.SCHED_IDLE}
         assert sup.standby.resting == [worker] and sup.standby.state is StandbyState.READY
 
@@ -457,13 +460,23 @@ def test_a_ready_standby_rests_and_every_claim_takes_it_back_first(tmp_path, mon
         sup.post(EngineFailed(1, "worker_death", "rank 0 killed"))
         await wait_for(lambda: sup.recoveries and sup.standby.state is StandbyState.READY and sup.standby.generation == 3, 10)
         assert b.serving[2] == b.standby_made[0]["actor_id"]  # the build adopted the standby's worker
-        claimed = [c for c in at_claim if c]  # the first, cold build's claim had nothing resting
+        # the cold first build's claim had nothing resting; the other build's took the fork server
+        claimed = [c for c in at_claim if c]
         assert len(claimed) == 2 and set(claimed[1]) == set(standby_sched.threads(worker)), at_claim
         assert set(claimed[1].values()) == {os.SCHED_OTHER}, at_claim  # the worker set back before the build
         assert policies(worker) == {os.SCHED_OTHER}  # and it serves at the normal policy
-        # the next standby: a new worker, the same fork server, both resting again
+        # the next standby: a new worker resting; the fork server not, while the other build may
+        # still fork from it
         nxt = procs[b.standby_made[1]["actor_id"]].pid
-        assert sup.standby.resting == sorted([nxt, server]) and policies(nxt) == {os.SCHED_IDLE}
+        assert sup.standby.resting == [nxt] and policies(nxt) == {os.SCHED_IDLE}
+        assert policies(server) == {os.SCHED_OTHER}
+        sup.standby.build_failed(other)  # that build is done: the next ready standby rests it all
+        sup.engines[-1].die()
+        sup.post(EngineFailed(2, "worker_death", "rank 0 killed"))
+        await wait_for(lambda: len(sup.recoveries) == 2 and sup.standby.state is StandbyState.READY
+                       and sup.standby.generation == 4, 10)
+        last = procs[b.standby_made[2]["actor_id"]].pid
+        assert sup.standby.resting == sorted([last, server]) and policies(server) == {os.SCHED_IDLE}
         await stopped(owner)
 
         # a fake whose parts report the test's own pid (as the pidfd test above): never set
