@@ -18,8 +18,9 @@ policy, as before.
 The claim of the build the standby is kept for takes every rested process back to ``SCHED_OTHER``
 before the build runs in it (an adopted worker) or forks from it (the engine core a fork server
 starts inherits the policy of the thread that forks it); the claim of any other build takes back
-the fork server only, which then does not rest again until that build's fork is done. Threads started meanwhile inherit ``SCHED_IDLE``; ``restore`` reads the
-threads again, so they are taken back too. Niceness is untouched (Ray's ``worker_niceness`` stays
+the fork server only, which then does not rest again until that build's fork is done. Threads
+started meanwhile inherit ``SCHED_IDLE``; ``restore`` reads the threads again, so they are taken
+back too. Niceness is untouched (Ray's ``worker_niceness`` stays
 as ``executor.ray_v2`` sets it).
 """
 
