@@ -19,6 +19,13 @@ every process's CPU per token moves with it by 30–40 %: a round whose ``vllm s
 whose daemon ran slow (or the other way) measures the host. Runs without the gauge are left out,
 and the rounds of each other state are counted by which window was the slower, so a state that
 followed one server would be seen.
+
+``--parts`` says where a TTFT difference sits: per round, the difference ``kind`` − baseline of
+the TTFT p50 and of each part the run measured (before vLLM's arrival, the way to the engine core
+and back, the queue, the prefill; the front's event loop per token, on a core and waiting for one),
+pooled as above, with the rounds it was positive in and its correlation with the TTFT p50's
+difference across rounds. ``--baseline`` compares with another kind of the same runs (the
+defaults against ``daemon_standby_none``: the standby's share).
 """
 
 from __future__ import annotations
@@ -87,10 +94,11 @@ def verdict(median: float, interval: tuple[float, float], op: str, goal: float) 
     return ("met" if ok(median) else "missed") + (", resolved" if ok(interval[0]) == ok(interval[1]) else ", within the noise")
 
 
-def pool(results: dict[str, dict], kind: str, tol: float | None = None) -> dict:
+def pool(results: dict[str, dict], kind: str, tol: float | None = None, baseline: str = "vllm_serve") -> dict:
     """Per goal: each run's median ratio, and the pooled median with its interval and verdict
     (over the rounds in one host state only, with ``tol``: ``same_state``)."""
-    per_run = {name: round_ratios(result, kind, keep=None if tol is None else same_state(result, kind, tol))
+    per_run = {name: round_ratios(result, kind, baseline,
+                                  keep=None if tol is None else same_state(result, kind, tol, baseline))
                for name, result in results.items()}
     out = {}
     for key, (op, goal) in GOALS.items():
@@ -105,12 +113,75 @@ def pool(results: dict[str, dict], kind: str, tol: float | None = None) -> dict:
     return out
 
 
+PARTS = {"p50_ttft_ms": ("TTFT p50", "ms"), "ttft_outside_ms": ("before vLLM's arrival (HTTP, the server's layers)", "ms"),
+         "ttft_between_ms": ("to the engine core and back", "ms"), "ttft_queue_ms": ("in the engine core's queue", "ms"),
+         "ttft_prefill_ms": ("prefill", "ms"), "loop_cpu_us_per_token": ("the front's loop on a core, per token", "µs"),
+         "loop_wait_us_per_token": ("the front's loop waiting for a core, per token", "µs")}
+
+
+def correlation(xs: list[float], ys: list[float]) -> float | None:
+    """Pearson's r (None for fewer than 3 pairs or a constant series)."""
+    if len(xs) < 3:
+        return None
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+    sxx, syy = sum((x - mx) ** 2 for x in xs), sum((y - my) ** 2 for y in ys)
+    return sxy / (sxx * syy) ** 0.5 if sxx and syy else None
+
+
+def parts(results: dict[str, dict], kind: str, baseline: str = "vllm_serve",
+          keep: dict[str, list[bool]] | None = None) -> dict:
+    """Per TTFT part (``PARTS``) the runs measured: the per-round difference ``kind`` − ``baseline``
+    pooled (median, two-level interval), the rounds where it was positive, and its correlation
+    with the TTFT p50's difference over the rounds that have both. ``keep``: per run, the rounds
+    to count (``same_state``)."""
+    diffs: dict[str, dict[str, dict[int, float]]] = {key: {} for key in PARTS}
+    for name, result in results.items():
+        rows = {row["key"]: row for row in result["rows"]}
+        mask = keep.get(name) if keep is not None else None
+        for key in PARTS:
+            row = rows.get(key)
+            if row is None or kind not in row or baseline not in row:
+                continue
+            diffs[key][name] = {i: d - v for i, (d, v) in enumerate(zip(row[kind], row[baseline]))
+                                if d is not None and v is not None and (mask is None or (i < len(mask) and mask[i]))}
+    out = {}
+    ttft = diffs["p50_ttft_ms"]
+    for key, per_run in diffs.items():
+        values = [x for run in per_run.values() for x in run.values()]
+        if not values:
+            continue
+        pairs = [(x, ttft[name][i]) for name, run in per_run.items() for i, x in run.items() if i in ttft.get(name, {})]
+        out[key] = {"rounds": len(values), "median": statistics.median(values),
+                    "interval_90": pooled_interval([list(run.values()) for run in per_run.values()]),
+                    "positive": sum(x > 0 for x in values),
+                    "r_with_ttft": None if key == "p50_ttft_ms" else correlation(*zip(*pairs)) if pairs else None}
+    return out
+
+
+def print_parts(results: dict[str, dict], kind: str, baseline: str, keep: dict[str, list[bool]] | None) -> None:
+    print()
+    print(f"where the TTFT difference sits: {kind} − {baseline} per round, pooled (90 % interval, runs then rounds "
+          f"resampled); r: its correlation with the TTFT p50's difference across rounds")
+    print()
+    print("| part | difference | rounds above | r with TTFT p50 |")
+    print("| --- | --- | --- | --- |")
+    for key, g in parts(results, kind, baseline, keep).items():
+        label, unit = PARTS[key]
+        lo, hi = g["interval_90"]
+        r = "" if key == "p50_ttft_ms" else "n/a" if g["r_with_ttft"] is None else f"{g['r_with_ttft']:+.2f}"
+        print(f"| {label} | {g['median']:+.2f} {unit} ({lo:+.2f} to {hi:+.2f}) | {g['positive']}/{g['rounds']} | {r} |")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", type=Path, help="result directories of bench.serving_overhead --saturation")
-    parser.add_argument("--kind", default="daemon", help="the daemon kind to compare with vllm_serve")
+    parser.add_argument("--kind", default="daemon", help="the daemon kind compared")
     parser.add_argument("--same-state", type=float, metavar="TOL", default=None,
                         help="only the rounds whose two windows' host gauge (its Python loop) is within TOL (0.1)")
+    parser.add_argument("--baseline", default="vllm_serve", help="the kind compared with (another daemon kind: "
+                        "daemon_standby_none for the standby's share)")
+    parser.add_argument("--parts", action="store_true", help="also where the TTFT difference sits, part by part")
     args = parser.parse_args()
     results = {}
     for run in args.runs:
@@ -120,21 +191,21 @@ def main() -> int:
             continue
         result = json.loads(found[0].read_text())
         keys = {k for row in result["rows"] for k in row}
-        if args.kind in keys and "vllm_serve" in keys and (args.same_state is None or any(
+        if args.kind in keys and args.baseline in keys and (args.same_state is None or any(
                 row["key"] == GAUGE for row in result["rows"])):
             results[run.name] = result
         else:
-            print(f"{run.name}: no {args.kind} and vllm_serve pair" + (" with the host gauge" if args.same_state else "")
+            print(f"{run.name}: no {args.kind} and {args.baseline} pair" + (" with the host gauge" if args.same_state else "")
                   + ", left out")
-    pooled = pool(results, args.kind, args.same_state)
+    pooled = pool(results, args.kind, args.same_state, args.baseline)
     names = list(results)
-    print(f"{args.kind} / vllm serve, median ratio per run and pooled (90 % interval, runs then rounds resampled)")
+    print(f"{args.kind} / {args.baseline}, median ratio per run and pooled (90 % interval, runs then rounds resampled)")
     if args.same_state is not None:
-        same, kind_slower, baseline_slower = (sum(x) for x in zip(*(state_split(r, args.kind, args.same_state)
+        same, kind_slower, baseline_slower = (sum(x) for x in zip(*(state_split(r, args.kind, args.same_state, args.baseline)
                                                                       for r in results.values())))
         print(f"only the {same} rounds whose two windows ran in one host state (the gauge's Python loop within "
               f"±{args.same_state:.0%}); of the others, {args.kind}'s window was the slower in {kind_slower}, "
-              f"vllm serve's in {baseline_slower}")
+              f"{args.baseline}'s in {baseline_slower}")
     print()
     print("| goal | " + " | ".join(names) + " | pooled |")
     print("| --- |" + " --- |" * (len(names) + 1))
@@ -143,6 +214,10 @@ def main() -> int:
         lo, hi = g["interval_90"]
         print(f"| {SHORT[key]} {g['goal']} | " + " | ".join(cells)
               + f" | **{g['median']:.3f}** ({lo:.3f}–{hi:.3f}, {g['rounds']} rounds): {g['verdict']} |")
+    if args.parts:
+        keep = None if args.same_state is None else {
+            name: same_state(r, args.kind, args.same_state, args.baseline) for name, r in results.items()}
+        print_parts(results, args.kind, args.baseline, keep)
     return 0
 
 

@@ -3,7 +3,7 @@ bench.serving_overhead's JSON)."""
 
 from __future__ import annotations
 
-from bench.pooled import pool, pooled_interval, round_ratios, same_state, state_split, verdict
+from bench.pooled import correlation, parts, pool, pooled_interval, round_ratios, same_state, state_split, verdict
 
 
 def result(vllm: list, daemon: list) -> dict:
@@ -55,3 +55,31 @@ def test_a_run_without_the_gauge_has_no_round_in_one_known_state():
     r = result([10.0, 10.0], [9.0, 9.5])
     assert same_state(r, "daemon", 0.1) == [] and state_split(r, "daemon", 0.1) == (0, 0, 0)
     assert round_ratios(r, "daemon", keep=[])["p50_ttft_ms"] == []
+
+
+def test_parts_pool_each_parts_difference_by_round_and_its_correlation_with_the_ttft():
+    def run(ttft, between, outside, other="daemon"):
+        return {"rows": [{"key": "p50_ttft_ms", "vllm_serve": [20.0] * len(ttft), other: ttft},
+                         {"key": "ttft_between_ms", "vllm_serve": [10.0] * len(ttft), other: between},
+                         {"key": "ttft_outside_ms", "vllm_serve": [5.0] * len(ttft), other: outside}]}
+    # the TTFT's difference follows the way to the engine core, not what comes before vLLM
+    a = run([21.0, 23.0, 22.0], [11.0, 13.0, 12.0], [5.0, 4.0, 6.0])
+    b = run([22.0, None], [12.0, 12.5], [5.5, 5.0])
+    got = parts({"a": a, "b": b}, "daemon")
+    assert got["p50_ttft_ms"]["rounds"] == 4 and got["p50_ttft_ms"]["median"] == 2.0
+    assert got["ttft_between_ms"]["rounds"] == 5 and got["ttft_between_ms"]["positive"] == 5
+    assert got["ttft_between_ms"]["r_with_ttft"] == 1.0  # the round without a TTFT is not paired
+    assert abs(got["ttft_outside_ms"]["r_with_ttft"]) < 0.5
+    assert "ttft_queue_ms" not in got  # not measured by these runs
+    # against another kind, and only the rounds kept
+    c = run([21.0, 25.0, 21.5], [11.0, 14.0, 11.0], [5.0, 5.0, 5.0], other="daemon_standby_none")
+    for row in c["rows"]:
+        row["daemon"] = [x + 1.0 for x in row["daemon_standby_none"]]
+    kept = parts({"c": c}, "daemon", "daemon_standby_none", keep={"c": [True, False, True]})
+    assert kept["p50_ttft_ms"]["rounds"] == 2 and kept["p50_ttft_ms"]["median"] == 1.0
+
+
+def test_correlation_needs_three_pairs_and_a_moving_series():
+    assert correlation([1.0, 2.0], [1.0, 2.0]) is None
+    assert correlation([1.0, 1.0, 1.0], [1.0, 2.0, 3.0]) is None
+    assert correlation([1.0, 2.0, 3.0], [3.0, 2.0, 1.0]) == -1.0
