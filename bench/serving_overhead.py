@@ -16,7 +16,8 @@ Two modes:
     python -m bench.serving_overhead --saturation --rounds 3
 
 ``--interleave``: the servers are started once and stay up side by side (on one Ray head), and
-each round measures each of them in turn, the order reversed every other round (A B, B A, ...).
+each round measures each of them in turn, the order reversed every other round (A B, B A, ...;
+with three kinds or more, also turned, so that each kind takes each place: ``alternating``).
 On a shared 2-core machine the capacity drifts by ±20 % over minutes; a round here takes
 seconds, so each pair is measured close together in time. Each server's CPU count includes the
 Ray head's processes, so the other servers' idle Ray workers too; the idle daemons beside it probe
@@ -343,10 +344,17 @@ def run_one(kind: str, work: Path, head: RayHead, r: int, args) -> dict:
 
 
 def alternating(kinds: list[str], rounds: int) -> Iterator[tuple[int, str]]:
-    """(round, kind) for ``rounds`` rounds of every kind, the order reversed every other round
-    (A B, B A, ...): how every bench and probe here alternates its servers."""
+    """(round, kind) for ``rounds`` rounds of every kind: how every bench and probe here
+    alternates its servers. Two kinds: the order reversed every other round (A B, B A, ...).
+    More: each round's order is the first one turned by a place every other round, and
+    reversed in between (A B C, C B A, B C A, A C B, C A B, B A C: a Williams design), so each
+    kind takes each place, and follows each other kind, as often as any other over 2 × kinds
+    rounds. Only reversing would leave the middle kind in the middle every round, after a
+    window of a different server than the first and last kinds are measured after."""
+    n = len(kinds)
     for r in range(rounds):
-        for kind in (kinds if r % 2 == 0 else kinds[::-1]):
+        turned = kinds[(r // 2) % n:] + kinds[:(r // 2) % n] if n > 2 else kinds
+        for kind in (turned if r % 2 == 0 else turned[::-1]):
             yield r, kind
 
 
@@ -457,8 +465,8 @@ def tokens_while(server: Any, work: Path, name: str, action: Callable[[], Any], 
 
 
 def run_rounds(kinds: list[str], work: Path, head: RayHead, args) -> dict[str, list[dict]]:
-    """Each round starts each server, measures it and stops it, the order reversed every other
-    round (A B, B A, ...): a server measured always first or always second on the same head (which
+    """Each round starts each server, measures it and stops it, in ``alternating``'s order (A B,
+    B A, ...): a server measured always first or always second on the same head (which
     keeps what earlier rounds left, and a machine whose speed drifts) would carry that as a bias."""
     runs: dict[str, list[dict]] = {k: [] for k in kinds}
     for r, kind in alternating(kinds, args.rounds):
@@ -512,7 +520,7 @@ def alone(kind: str, servers: dict[str, Any], workers: dict[str, dict[int, int]]
 
 
 def run_interleaved(kinds: list[str], work: Path, head: RayHead, args) -> dict[str, list[dict]]:
-    """Every server up at once; each round measures each, the order reversed every other round.
+    """Every server up at once; each round measures each, in ``alternating``'s order.
     ``args.alone``: every server but the one measured is stopped (SIGSTOP, its Ray workers with
     it) over each window, as if it were alone on the host."""
     runs: dict[str, list[dict]] = {k: [] for k in kinds}
@@ -592,7 +600,7 @@ def main() -> int:
                         help="seconds each server is left idle after its warm-up (and, for a daemon, after its "
                              "standby is ready) before it is measured: tells a transient of the standby's making "
                              "(memory, caches) from a steady cost; every kind waits the same")
-    parser.add_argument("--kinds", nargs="+", choices=list(LABELS), help="servers, in this order in the first round (vllm_serve first); the order is reversed every other round")
+    parser.add_argument("--kinds", nargs="+", choices=list(LABELS), help="servers, in this order in the first round (vllm_serve first); the order is reversed every other round, and with three or more also turned (each kind in each place)")
     args = parser.parse_args()
     if args.alone and not args.interleave:
         parser.error("--alone stops the servers that are not measured: it needs --interleave")
@@ -633,7 +641,8 @@ def main() -> int:
             else f"{args.rate:g} req/s") + (f", --max-num-seqs {args.max_num_seqs}" if args.max_num_seqs else "")
     table = [
         f"Serving overhead, {time.strftime('%Y-%m-%d')}: {args.rounds} "
-        f"{'interleaved rounds (the servers up side by side, the order reversed every other round)' if args.interleave else 'rounds, each server alone, the order reversed every other round'}, "
+        f"{'interleaved rounds (the servers up side by side' if args.interleave else 'rounds (each server alone'}, "
+        f"{'the order reversed every other round' if len(kinds) < 3 else 'the order reversed and turned, each server in each place'}), "
         + (f"every server but the one measured stopped (SIGSTOP) over each window and continued {args.thaw_s:g} s before its own, "
            if args.alone else "")
         + f"{args.num_prompts} prompts, "
