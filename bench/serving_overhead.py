@@ -572,7 +572,14 @@ def report(r: int, kind: str, result: dict) -> dict:
     return result
 
 
+def _interrupted(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main() -> int:
+    # SIGTERM ends a run as Ctrl-C does (every server continued and stopped, the Ray head with
+    # them): a run started in the background of a script ignores SIGINT
+    signal.signal(signal.SIGTERM, _interrupted)
     parser = base_parser(__doc__)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--saturation", action="store_true", help="no rate limit, --max-concurrency streams")
