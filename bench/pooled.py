@@ -21,8 +21,8 @@ and the rounds of each other state are counted by which window was the slower, s
 followed one server would be seen.
 
 ``--parts`` says where a TTFT difference sits: per round, the difference ``kind`` − baseline of
-the TTFT p50 and of each part the run measured (before vLLM's arrival, the way to the engine core
-and back, the queue, the prefill; the front's event loop per token, on a core and waiting for one),
+the TTFT p50 and of each part the run measured (outside vLLM's own TTFT, the way to the engine
+core and back, the queue, the prefill; the front's event loop per token, on a core and waiting for one),
 pooled as above, with the rounds it was positive in and its correlation with the TTFT p50's
 difference across rounds. ``--baseline`` compares with another kind of the same runs (the
 defaults against ``daemon_standby_none``: the standby's share).
@@ -52,10 +52,18 @@ def gauge_ratios(result: dict, kind: str, baseline: str = "vllm_serve") -> list[
     return [d / v if d and v else None for d, v in zip(gauge.get(kind, []), gauge.get(baseline, []))]
 
 
-def same_state(result: dict, kind: str, tol: float, baseline: str = "vllm_serve") -> list[bool]:
+SLOW_FROM = 1.1  # ms of the gauge's Python loop: this host's fast state reads 0.8–1.0, its slow one 1.2–1.5
+
+
+def same_state(result: dict, kind: str, tol: float, baseline: str = "vllm_serve", state: str | None = None) -> list[bool]:
     """Per round: whether ``kind``'s window and ``baseline``'s ran on a host in the same state
-    (the gauge's Python loop within ``tol`` of each other; no gauge, not known: False)."""
-    return [q is not None and 1 / (1 + tol) <= q <= 1 + tol for q in gauge_ratios(result, kind, baseline)]
+    (the gauge's Python loop within ``tol`` of each other; no gauge, not known: False), and
+    with ``state`` ("fast" or "slow"), in that one (``baseline``'s gauge below ``SLOW_FROM`` or not)."""
+    gauge = {row["key"]: row for row in result["rows"]}.get(GAUGE, {})
+    base = gauge.get(baseline, [])
+    return [q is not None and 1 / (1 + tol) <= q <= 1 + tol
+            and (state is None or (base[i] < SLOW_FROM) == (state == "fast"))
+            for i, q in enumerate(gauge_ratios(result, kind, baseline))]
 
 
 def state_split(result: dict, kind: str, tol: float, baseline: str = "vllm_serve") -> tuple[int, int, int]:
@@ -94,11 +102,12 @@ def verdict(median: float, interval: tuple[float, float], op: str, goal: float) 
     return ("met" if ok(median) else "missed") + (", resolved" if ok(interval[0]) == ok(interval[1]) else ", within the noise")
 
 
-def pool(results: dict[str, dict], kind: str, tol: float | None = None, baseline: str = "vllm_serve") -> dict:
+def pool(results: dict[str, dict], kind: str, tol: float | None = None, baseline: str = "vllm_serve",
+         state: str | None = None) -> dict:
     """Per goal: each run's median ratio, and the pooled median with its interval and verdict
-    (over the rounds in one host state only, with ``tol``: ``same_state``)."""
+    (over the rounds in one host state only, with ``tol``: ``same_state``; in ``state`` only)."""
     per_run = {name: round_ratios(result, kind, baseline,
-                                  keep=None if tol is None else same_state(result, kind, tol, baseline))
+                                  keep=None if tol is None else same_state(result, kind, tol, baseline, state))
                for name, result in results.items()}
     out = {}
     for key, (op, goal) in GOALS.items():
@@ -113,7 +122,7 @@ def pool(results: dict[str, dict], kind: str, tol: float | None = None, baseline
     return out
 
 
-PARTS = {"p50_ttft_ms": ("TTFT p50", "ms"), "ttft_outside_ms": ("before vLLM's arrival (HTTP, the server's layers)", "ms"),
+PARTS = {"p50_ttft_ms": ("TTFT p50", "ms"), "ttft_outside_ms": ("outside vLLM's (HTTP, the server's layers, in and out)", "ms"),
          "ttft_between_ms": ("to the engine core and back", "ms"), "ttft_queue_ms": ("in the engine core's queue", "ms"),
          "ttft_prefill_ms": ("prefill", "ms"), "loop_cpu_us_per_token": ("the front's loop on a core, per token", "µs"),
          "loop_wait_us_per_token": ("the front's loop waiting for a core, per token", "µs")}
@@ -179,6 +188,8 @@ def main() -> int:
     parser.add_argument("--kind", default="daemon", help="the daemon kind compared")
     parser.add_argument("--same-state", type=float, metavar="TOL", default=None,
                         help="only the rounds whose two windows' host gauge (its Python loop) is within TOL (0.1)")
+    parser.add_argument("--state", choices=("fast", "slow"), help="with --same-state: only the rounds in this host "
+                        f"state (the gauge's Python loop below {SLOW_FROM} ms, or not)")
     parser.add_argument("--baseline", default="vllm_serve", help="the kind compared with (another daemon kind: "
                         "daemon_standby_none for the standby's share)")
     parser.add_argument("--parts", action="store_true", help="also where the TTFT difference sits, part by part")
@@ -197,7 +208,9 @@ def main() -> int:
         else:
             print(f"{run.name}: no {args.kind} and {args.baseline} pair" + (" with the host gauge" if args.same_state else "")
                   + ", left out")
-    pooled = pool(results, args.kind, args.same_state, args.baseline)
+    if args.state and args.same_state is None:
+        parser.error("--state needs --same-state")
+    pooled = pool(results, args.kind, args.same_state, args.baseline, args.state)
     names = list(results)
     print(f"{args.kind} / {args.baseline}, median ratio per run and pooled (90 % interval, runs then rounds resampled)")
     if args.same_state is not None:
@@ -206,6 +219,10 @@ def main() -> int:
         print(f"only the {same} rounds whose two windows ran in one host state (the gauge's Python loop within "
               f"±{args.same_state:.0%}); of the others, {args.kind}'s window was the slower in {kind_slower}, "
               f"{args.baseline}'s in {baseline_slower}")
+        if args.state:
+            kept = sum(sum(same_state(r, args.kind, args.same_state, args.baseline, args.state)) for r in results.values())
+            print(f"and of those, only the {kept} in the {args.state} state ({args.baseline}'s gauge "
+                  f"{'below' if args.state == 'fast' else 'at or above'} {SLOW_FROM} ms)")
     print()
     print("| goal | " + " | ".join(names) + " | pooled |")
     print("| --- |" + " --- |" * (len(names) + 1))
@@ -216,7 +233,7 @@ def main() -> int:
               + f" | **{g['median']:.3f}** ({lo:.3f}–{hi:.3f}, {g['rounds']} rounds): {g['verdict']} |")
     if args.parts:
         keep = None if args.same_state is None else {
-            name: same_state(r, args.kind, args.same_state, args.baseline) for name, r in results.items()}
+            name: same_state(r, args.kind, args.same_state, args.baseline, args.state) for name, r in results.items()}
         print_parts(results, args.kind, args.baseline, keep)
     return 0
 

@@ -83,3 +83,12 @@ def test_correlation_needs_three_pairs_and_a_moving_series():
     assert correlation([1.0, 2.0], [1.0, 2.0]) is None
     assert correlation([1.0, 1.0, 1.0], [1.0, 2.0, 3.0]) is None
     assert correlation([1.0, 2.0, 3.0], [3.0, 2.0, 1.0]) == -1.0
+
+
+def test_state_keeps_the_one_state_rounds_of_the_state_named():
+    # fast in one state, slow in one state, mixed, fast in one state
+    r = gauged([10.0] * 4, [9.0, 8.0, 7.0, 9.5], [0.85, 1.3, 0.85, 0.9], [0.9, 1.35, 1.3, 0.88])
+    assert same_state(r, "daemon", 0.1) == [True, True, False, True]
+    assert same_state(r, "daemon", 0.1, state="fast") == [True, False, False, True]
+    assert same_state(r, "daemon", 0.1, state="slow") == [False, True, False, False]
+    assert pool({"a": r}, "daemon", 0.1, state="slow")["output_throughput"]["median"] == 0.8
