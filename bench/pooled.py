@@ -58,11 +58,11 @@ SLOW_FROM = 1.1  # ms of the gauge's Python loop: this host's fast state reads 0
 def same_state(result: dict, kind: str, tol: float, baseline: str = "vllm_serve", state: str | None = None) -> list[bool]:
     """Per round: whether ``kind``'s window and ``baseline``'s ran on a host in the same state
     (the gauge's Python loop within ``tol`` of each other; no gauge, not known: False), and
-    with ``state`` ("fast" or "slow"), in that one (``baseline``'s gauge below ``SLOW_FROM`` or not)."""
+    with ``state`` ("fast" or "slow"), both in that one (both gauges below ``SLOW_FROM``, or neither)."""
     gauge = {row["key"]: row for row in result["rows"]}.get(GAUGE, {})
-    base = gauge.get(baseline, [])
+    windows = list(zip(gauge.get(baseline, []), gauge.get(kind, [])))
     return [q is not None and 1 / (1 + tol) <= q <= 1 + tol
-            and (state is None or (base[i] < SLOW_FROM) == (state == "fast"))
+            and (state is None or all((g < SLOW_FROM) == (state == "fast") for g in windows[i]))
             for i, q in enumerate(gauge_ratios(result, kind, baseline))]
 
 
@@ -122,27 +122,38 @@ def pool(results: dict[str, dict], kind: str, tol: float | None = None, baseline
     return out
 
 
-PARTS = {"p50_ttft_ms": ("TTFT p50", "ms"), "ttft_outside_ms": ("outside vLLM's (HTTP, the server's layers, in and out)", "ms"),
-         "ttft_between_ms": ("to the engine core and back", "ms"), "ttft_queue_ms": ("in the engine core's queue", "ms"),
-         "ttft_prefill_ms": ("prefill", "ms"), "loop_cpu_us_per_token": ("the front's loop on a core, per token", "µs"),
+PARTS = {"p50_ttft_ms": ("TTFT p50", "ms"),
+         "ttft_outside_ms": ("mean TTFT: outside vLLM's own (HTTP, the server's layers, in and out)", "ms"),
+         "ttft_between_ms": ("mean TTFT: to the engine core and back", "ms"),
+         "ttft_queue_ms": ("mean TTFT: in the engine core's queue", "ms"), "ttft_prefill_ms": ("mean TTFT: prefill", "ms"), "loop_cpu_us_per_token": ("the front's loop on a core, per token", "µs"),
          "loop_wait_us_per_token": ("the front's loop waiting for a core, per token", "µs")}
 
 
-def correlation(xs: list[float], ys: list[float]) -> float | None:
-    """Pearson's r (None for fewer than 3 pairs or a constant series)."""
+def correlation(xs: list[float], ys: list[float], groups: list[str] | None = None) -> float | None:
+    """Pearson's r (None for fewer than 3 pairs or a constant series); with ``groups`` (each
+    pair's run), of the pairs centred on their run's means, so that runs at different levels do
+    not make a correlation of their own."""
     if len(xs) < 3:
         return None
+    if groups is not None:
+        xs, ys = _centred(xs, groups), _centred(ys, groups)
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
     sxx, syy = sum((x - mx) ** 2 for x in xs), sum((y - my) ** 2 for y in ys)
     return sxy / (sxx * syy) ** 0.5 if sxx and syy else None
 
 
+def _centred(values: list[float], groups: list[str]) -> list[float]:
+    means = {g: statistics.fmean(v for v, h in zip(values, groups) if h == g) for g in set(groups)}
+    return [v - means[g] for v, g in zip(values, groups)]
+
+
 def parts(results: dict[str, dict], kind: str, baseline: str = "vllm_serve",
           keep: dict[str, list[bool]] | None = None) -> dict:
     """Per TTFT part (``PARTS``) the runs measured: the per-round difference ``kind`` − ``baseline``
     pooled (median, two-level interval), the rounds where it was positive, and its correlation
-    with the TTFT p50's difference over the rounds that have both. ``keep``: per run, the rounds
+    with the TTFT p50's difference over the rounds that have both, within runs (``correlation``).
+    The parts divide the mean TTFT (``bench.serving_overhead.ttft_parts``), not the p50. ``keep``: per run, the rounds
     to count (``same_state``)."""
     diffs: dict[str, dict[str, dict[int, float]]] = {key: {} for key in PARTS}
     for name, result in results.items():
@@ -160,20 +171,21 @@ def parts(results: dict[str, dict], kind: str, baseline: str = "vllm_serve",
         values = [x for run in per_run.values() for x in run.values()]
         if not values:
             continue
-        pairs = [(x, ttft[name][i]) for name, run in per_run.items() for i, x in run.items() if i in ttft.get(name, {})]
+        pairs = [(x, ttft[name][i], name) for name, run in per_run.items() for i, x in run.items() if i in ttft.get(name, {})]
         out[key] = {"rounds": len(values), "median": statistics.median(values),
                     "interval_90": pooled_interval([list(run.values()) for run in per_run.values()]),
                     "positive": sum(x > 0 for x in values),
-                    "r_with_ttft": None if key == "p50_ttft_ms" else correlation(*zip(*pairs)) if pairs else None}
+                    "r_with_ttft": None if key == "p50_ttft_ms" or not pairs else correlation(*map(list, zip(*pairs)))}
     return out
 
 
 def print_parts(results: dict[str, dict], kind: str, baseline: str, keep: dict[str, list[bool]] | None) -> None:
     print()
     print(f"where the TTFT difference sits: {kind} − {baseline} per round, pooled (90 % interval, runs then rounds "
-          f"resampled); r: its correlation with the TTFT p50's difference across rounds")
+          f"resampled); the parts divide the mean TTFT; r: the correlation with the TTFT p50's difference across "
+          f"rounds, within runs")
     print()
-    print("| part | difference | rounds above | r with TTFT p50 |")
+    print("| part | difference | rounds > 0 | r with TTFT p50 |")
     print("| --- | --- | --- | --- |")
     for key, g in parts(results, kind, baseline, keep).items():
         label, unit = PARTS[key]
@@ -194,6 +206,8 @@ def main() -> int:
                         "daemon_standby_none for the standby's share)")
     parser.add_argument("--parts", action="store_true", help="also where the TTFT difference sits, part by part")
     args = parser.parse_args()
+    if args.state and args.same_state is None:
+        parser.error("--state needs --same-state")
     results = {}
     for run in args.runs:
         found = sorted(run.glob("serving_saturation*.json"))  # also ``_interleaved`` and ``_interleaved_alone``
@@ -208,8 +222,6 @@ def main() -> int:
         else:
             print(f"{run.name}: no {args.kind} and {args.baseline} pair" + (" with the host gauge" if args.same_state else "")
                   + ", left out")
-    if args.state and args.same_state is None:
-        parser.error("--state needs --same-state")
     pooled = pool(results, args.kind, args.same_state, args.baseline, args.state)
     names = list(results)
     print(f"{args.kind} / {args.baseline}, median ratio per run and pooled (90 % interval, runs then rounds resampled)")
@@ -221,7 +233,7 @@ def main() -> int:
               f"{args.baseline}'s in {baseline_slower}")
         if args.state:
             kept = sum(sum(same_state(r, args.kind, args.same_state, args.baseline, args.state)) for r in results.values())
-            print(f"and of those, only the {kept} in the {args.state} state ({args.baseline}'s gauge "
+            print(f"and of those, only the {kept} in the {args.state} state (both windows' gauge "
                   f"{'below' if args.state == 'fast' else 'at or above'} {SLOW_FROM} ms)")
     print()
     print("| goal | " + " | ".join(names) + " | pooled |")
@@ -230,7 +242,8 @@ def main() -> int:
         cells = [f"{g['runs'][n]:.3f}" if g["runs"][n] is not None else "n/a" for n in names]
         lo, hi = g["interval_90"]
         print(f"| {SHORT[key]} {g['goal']} | " + " | ".join(cells)
-              + f" | **{g['median']:.3f}** ({lo:.3f}–{hi:.3f}, {g['rounds']} rounds): {g['verdict']} |")
+              + f" | **{g['median']:.3f}** ({lo:.3f}–{hi:.3f}, {g['rounds']} rounds)"
+              + (f": {g['verdict']} |" if args.baseline == "vllm_serve" else " |"))  # the goals are against vllm serve
     if args.parts:
         keep = None if args.same_state is None else {
             name: same_state(r, args.kind, args.same_state, args.baseline, args.state) for name, r in results.items()}

@@ -17,7 +17,7 @@ Two modes:
 
 ``--interleave``: the servers are started once and stay up side by side (on one Ray head), and
 each round measures each of them in turn, the order reversed every other round (A B, B A, ...;
-with three kinds or more, also turned, so that each kind takes each place: ``alternating``).
+with three kinds or more, a Williams design, so that each kind takes each place: ``alternating``).
 On a shared 2-core machine the capacity drifts by ±20 % over minutes; a round here takes
 seconds, so each pair is measured close together in time. Each server's CPU count includes the
 Ray head's processes, so the other servers' idle Ray workers too; the idle daemons beside it probe
@@ -345,17 +345,28 @@ def run_one(kind: str, work: Path, head: RayHead, r: int, args) -> dict:
 
 def alternating(kinds: list[str], rounds: int) -> Iterator[tuple[int, str]]:
     """(round, kind) for ``rounds`` rounds of every kind: how every bench and probe here
-    alternates its servers. Two kinds: the order reversed every other round (A B, B A, ...).
-    More: each round's order is the first one turned by a place every other round, and
-    reversed in between (A B C, C B A, B C A, A C B, C A B, B A C: a Williams design), so each
-    kind takes each place, and follows each other kind, as often as any other over 2 × kinds
-    rounds. Only reversing would leave the middle kind in the middle every round, after a
-    window of a different server than the first and last kinds are measured after."""
+    alternates its servers, in a Williams design. Its first order is 0, 1, n-1, 2, n-2, ...,
+    each next one adds 1 to every place (mod n), and with an odd number of kinds each order is
+    followed by its reverse; the numbers are named so that the first round is ``kinds``. Two
+    kinds run A B, B A, ...; three A B C, C B A, B C A, A C B, C A B, B A C. Over every n rounds
+    (2n with an odd n), each kind takes each place, and follows each other kind within a round,
+    equally often. Only reversing would leave a middle kind in the middle of every round,
+    always after the same neighbour."""
     n = len(kinds)
+    first, low, high = [0], 1, n - 1
+    while len(first) < n:
+        first.append(low)
+        low += 1
+        if len(first) < n:
+            first.append(high)
+            high -= 1
+    orders = [[(i + shift) % n for i in first] for shift in range(n)]
+    if n % 2:
+        orders = [o for order in orders for o in (order, order[::-1])]
+    label = {v: kinds[place] for place, v in enumerate(first)}  # so the first round is ``kinds`` as given
     for r in range(rounds):
-        turned = kinds[(r // 2) % n:] + kinds[:(r // 2) % n] if n > 2 else kinds
-        for kind in (turned if r % 2 == 0 else turned[::-1]):
-            yield r, kind
+        for v in orders[r % len(orders)]:
+            yield r, label[v]
 
 
 def warm_rounds(kinds: list[str], rounds: int, prefix: str, args,
@@ -573,6 +584,7 @@ def report(r: int, kind: str, result: dict) -> dict:
 
 
 def _interrupted(signum: int, frame: Any) -> None:
+    signal.signal(signum, signal.SIG_IGN)  # a second one must not cut the clean-up short
     raise KeyboardInterrupt(f"signal {signum}")
 
 
@@ -607,7 +619,7 @@ def main() -> int:
                         help="seconds each server is left idle after its warm-up (and, for a daemon, after its "
                              "standby is ready) before it is measured: tells a transient of the standby's making "
                              "(memory, caches) from a steady cost; every kind waits the same")
-    parser.add_argument("--kinds", nargs="+", choices=list(LABELS), help="servers, in this order in the first round (vllm_serve first); the order is reversed every other round, and with three or more also turned (each kind in each place)")
+    parser.add_argument("--kinds", nargs="+", choices=list(LABELS), help="servers, in this order in the first round (vllm_serve first); the order follows a Williams design (A B, B A; with three or more, each kind in each place)")
     args = parser.parse_args()
     if args.alone and not args.interleave:
         parser.error("--alone stops the servers that are not measured: it needs --interleave")
@@ -649,7 +661,7 @@ def main() -> int:
     table = [
         f"Serving overhead, {time.strftime('%Y-%m-%d')}: {args.rounds} "
         f"{'interleaved rounds (the servers up side by side' if args.interleave else 'rounds (each server alone'}, "
-        f"{'the order reversed every other round' if len(kinds) < 3 else 'the order reversed and turned, each server in each place'}), "
+        f"{'the order reversed every other round' if len(kinds) < 3 else 'the order in a Williams design, each server in each place'}), "
         + (f"every server but the one measured stopped (SIGSTOP) over each window and continued {args.thaw_s:g} s before its own, "
            if args.alone else "")
         + f"{args.num_prompts} prompts, "
