@@ -21,11 +21,12 @@ and the rounds of each other state are counted by which window was the slower, s
 followed one server would be seen.
 
 ``--parts`` says where a TTFT difference sits: per round, the difference ``kind`` − baseline of
-the TTFT p50 and of each part the run measured (outside vLLM's own TTFT, the way to the engine
-core and back, the queue, the prefill; the front's event loop per token, on a core and waiting for one),
-pooled as above, with the rounds it was positive in and its correlation with the TTFT p50's
-difference across rounds. ``--baseline`` compares with another kind of the same runs (the
-defaults against ``daemon_standby_none``: the standby's share).
+the TTFT p50 and of each part the run measured (of the mean TTFT: outside vLLM's own, the way to
+the engine core and back, the queue, the prefill; the front's event loop per token, on a core and
+waiting for one), pooled as above, with the rounds it was positive in and its correlation with
+the TTFT p50's difference across the rounds of each run. ``--state fast|slow`` keeps the
+one-state rounds of one host state. ``--baseline`` compares with another kind of the same runs
+(the defaults against ``daemon_standby_none``: the standby's share), without the goals' verdicts.
 """
 
 from __future__ import annotations
@@ -125,7 +126,8 @@ def pool(results: dict[str, dict], kind: str, tol: float | None = None, baseline
 PARTS = {"p50_ttft_ms": ("TTFT p50", "ms"),
          "ttft_outside_ms": ("mean TTFT: outside vLLM's own (HTTP, the server's layers, in and out)", "ms"),
          "ttft_between_ms": ("mean TTFT: to the engine core and back", "ms"),
-         "ttft_queue_ms": ("mean TTFT: in the engine core's queue", "ms"), "ttft_prefill_ms": ("mean TTFT: prefill", "ms"), "loop_cpu_us_per_token": ("the front's loop on a core, per token", "µs"),
+         "ttft_queue_ms": ("mean TTFT: in the engine core's queue", "ms"), "ttft_prefill_ms": ("mean TTFT: prefill", "ms"),
+         "loop_cpu_us_per_token": ("the front's loop on a core, per token", "µs"),
          "loop_wait_us_per_token": ("the front's loop waiting for a core, per token", "µs")}
 
 
@@ -153,8 +155,8 @@ def parts(results: dict[str, dict], kind: str, baseline: str = "vllm_serve",
     """Per TTFT part (``PARTS``) the runs measured: the per-round difference ``kind`` − ``baseline``
     pooled (median, two-level interval), the rounds where it was positive, and its correlation
     with the TTFT p50's difference over the rounds that have both, within runs (``correlation``).
-    The parts divide the mean TTFT (``bench.serving_overhead.ttft_parts``), not the p50. ``keep``: per run, the rounds
-    to count (``same_state``)."""
+    The parts divide the mean TTFT (``bench.serving_overhead.ttft_parts``), not the p50.
+    ``keep``: per run, the rounds to count (``same_state``)."""
     diffs: dict[str, dict[str, dict[int, float]]] = {key: {} for key in PARTS}
     for name, result in results.items():
         rows = {row["key"]: row for row in result["rows"]}
