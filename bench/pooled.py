@@ -75,14 +75,19 @@ def state_split(result: dict, kind: str, tol: float, baseline: str = "vllm_serve
     return len(known) - slower - faster, slower, faster
 
 
+def paired(row: dict, kind: str, baseline: str, keep: list[bool] | None = None) -> dict[int, tuple[float, float]]:
+    """Round → (``kind``'s figure, ``baseline``'s) in one row of a run's JSON: the rounds where
+    both have one, and ``keep`` (per round) does not mark False."""
+    return {i: (d, v) for i, (d, v) in enumerate(zip(row[kind], row[baseline]))
+            if d is not None and v is not None and (keep is None or (i < len(keep) and keep[i]))}
+
+
 def round_ratios(result: dict, kind: str, baseline: str = "vllm_serve",
                  keep: list[bool] | None = None) -> dict[str, list[float]]:
     """Each goal's per-round ratio ``kind`` / ``baseline`` in one run's JSON (rounds missing a
     figure left out, and the rounds ``keep`` marks False)."""
     rows = {row["key"]: row for row in result["rows"]}
-    return {key: [d / v for i, (d, v) in enumerate(zip(rows[key][kind], rows[key][baseline]))
-                  if d is not None and v and (keep is None or (i < len(keep) and keep[i]))]
-            for key in GOALS}
+    return {key: [d / v for d, v in paired(rows[key], kind, baseline, keep).values() if v] for key in GOALS}
 
 
 def pooled_interval(runs: list[list[float]], level: float = 0.9, reps: int = 4000) -> tuple[float, float]:
@@ -165,8 +170,7 @@ def parts(results: dict[str, dict], kind: str, baseline: str = "vllm_serve",
             row = rows.get(key)
             if row is None or kind not in row or baseline not in row:
                 continue
-            diffs[key][name] = {i: d - v for i, (d, v) in enumerate(zip(row[kind], row[baseline]))
-                                if d is not None and v is not None and (mask is None or (i < len(mask) and mask[i]))}
+            diffs[key][name] = {i: d - v for i, (d, v) in paired(row, kind, baseline, mask).items()}
     out = {}
     ttft = diffs["p50_ttft_ms"]
     for key, per_run in diffs.items():
