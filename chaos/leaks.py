@@ -67,6 +67,18 @@ def cmdline(pid: int) -> str:
         return "?"
 
 
+def when_made(paths: Iterable[str]) -> list[str]:
+    """Each path with the UTC time its file was made (its inode's change time), to place a
+    leak among the daemon's log lines."""
+    out = []
+    for path in paths:
+        try:
+            out.append(f"{path} (made {time.strftime('%H:%M:%S', time.gmtime(os.stat(path).st_ctime))} UTC)")
+        except OSError:
+            out.append(f"{path} (gone since)")
+    return out
+
+
 def temp_sockets(root: str | None = None, top: bool = False) -> set[str]:
     """The Unix sockets in the directories of the temporary directory (one level down, where
     ``multiprocessing`` puts its listeners), and with ``top`` in it too (where vLLM puts its

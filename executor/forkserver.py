@@ -138,14 +138,9 @@ def start(preload: list[str] | None = None) -> float:
     started = time.monotonic()
     with _lock:
         _CONTEXT.set_forkserver_preload(list(preload or PRELOAD))
-        before = multiprocessing.forkserver._forkserver._forkserver_address
         # The server imports its preload list before it answers: one no-op child proves it.
         probe = _CONTEXT.Process(target=_noop, name="vllm-supervisor-forkserver-probe", daemon=True)
         probe.start()
-        if before != multiprocessing.forkserver._forkserver._forkserver_address:
-            # ``ensure_running`` replaced a dead server, and Python removes a server's socket
-            # file only in its own stop: one dead socket per replacement was left until exit
-            _unlink(before)
         probe.join()
         if probe.exitcode != 0:
             raise RuntimeError(f"fork server probe exited with {probe.exitcode}")
@@ -186,11 +181,42 @@ def stop(timeout_s: float = 5.0) -> None:
             time.sleep(0.05)
 
 
+def _unlink_replaced_sockets(server: multiprocessing.forkserver.ForkServer) -> None:
+    """Make ``server.ensure_running`` remove a dead server's socket file when it replaces it.
+
+    Python removes a fork server's socket file only in its own stop: ``ensure_running``, which
+    replaces a server that died (its engine core's failure took it, or it was killed), forgets
+    the old address and leaves the file, one dead socket per replacement until the daemon
+    exits. A replacement comes from ``start()``'s probe or from an engine build's own
+    ``Process.start()`` (a server that died between the standby's claim and the fork), and it
+    may raise once it has forgotten the old one (the new server's spawn failing): the old file
+    is removed in each case.
+    ``connect_to_new_process`` calls ``self.ensure_running()``, so the instance's attribute is
+    what every fork goes through."""
+    if getattr(server, "_unlinks_replaced", False):
+        return
+    original = server.ensure_running
+
+    def ensure_running() -> None:
+        before = server._forkserver_address
+        try:
+            original()
+        finally:
+            if server._forkserver_address != before:
+                _unlink(before)
+
+    server.ensure_running = ensure_running
+    server._unlinks_replaced = True
+
+
 def _unlink(address: object) -> None:
     """Remove a fork server's socket file (not an abstract socket's name, which has none)."""
     if address and isinstance(address, str) and not address.startswith("\0"):
         with contextlib.suppress(OSError):
             os.unlink(address)
+
+
+_unlink_replaced_sockets(multiprocessing.forkserver._forkserver)
 
 
 @contextlib.contextmanager

@@ -22,6 +22,7 @@ from chaos import inject
 from chaos.harness import OPERATOR_ENV, Daemon
 from chaos.load import as_reference, compare, run_with_fault, specs
 from chaos.harness import stale_actors
+from chaos.leaks import when_made
 from tests.chaos.test_recovery import finish
 
 pytestmark = pytest.mark.integration
@@ -117,7 +118,7 @@ def test_two_kills_per_round_client_text_equals_a_fault_free_run(daemon, ray_hea
     assert names and not stale_actors(names, daemon.status()), names
     assert len(seen["placement_groups"]) == 1, seen
     assert not daemon.unmapped_segments(), daemon.unmapped_segments()
-    assert not daemon.dead_sockets(), daemon.dead_sockets()
+    assert not (left := daemon.dead_sockets()), when_made(left)
     print(f"\nround {round_}: {N} requests, held mid-character at the first kill: {held_at_kill[0]}, "
           f"in flight at the second: {info['in_flight_at_second']}, continued: {continued}, text mismatches: 0")
 

@@ -18,6 +18,7 @@ import pytest
 from chaos import inject
 from chaos.load import PROMPTS, as_reference, compare, run_with_fault
 from chaos.harness import OPERATOR_ENV, Daemon, RayHead, stale_actors
+from chaos.leaks import when_made
 
 pytestmark = pytest.mark.integration
 
@@ -68,7 +69,7 @@ def assert_clean_generation(daemon: Daemon, ray_head: RayHead, before: int) -> d
     assert names and not stale_actors(names, daemon.status()), names
     assert len(seen["placement_groups"]) == 1 and seen["placement_groups"][0]["state"] == "CREATED", seen
     assert not daemon.unmapped_segments(), daemon.unmapped_segments()
-    assert not daemon.dead_sockets(), daemon.dead_sockets()
+    assert not (left := daemon.dead_sockets()), when_made(left)
     return s
 
 

@@ -24,18 +24,45 @@ def bound(path: str) -> bool:
     return path in bound_unix_sockets()
 
 
+def kill_server() -> str:
+    """Kill the running fork server; its socket file, left as Python leaves it."""
+    first, server = address(), forkserver.pid()
+    assert first and os.path.exists(first) and server
+    os.kill(server, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while forkserver.pid() is not None:  # dead (a zombie until a replacement reaps it)
+        assert time.monotonic() < deadline, "the killed fork server still runs"
+        time.sleep(0.05)
+    assert os.path.exists(first) and not bound(first)
+    return first
+
+
 def test_a_dead_fork_servers_socket_is_removed_when_it_is_replaced():
     forkserver.start(["json"])
     try:
-        first, server = address(), forkserver.pid()
-        assert first and os.path.exists(first) and server
-        os.kill(server, signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while forkserver.pid() is not None:  # dead (a zombie until ``start`` reaps it)
-            assert time.monotonic() < deadline, "the killed fork server still runs"
-            time.sleep(0.05)
-        assert os.path.exists(first) and not bound(first)  # what Python's replacement leaves
+        first = kill_server()
         forkserver.start(["json"])
+        second = address()
+        assert second != first and bound(second)
+        assert not os.path.exists(first), "the dead server's socket file was left"
+    finally:
+        forkserver.stop()
+    assert not os.path.exists(second)
+
+
+def test_a_fork_that_replaces_a_dead_server_removes_its_socket_too():
+    """The replacement made by an engine build's own fork (the server died after the
+    standby's claim said it was alive), not by ``start()``."""
+    forkserver.start(["json"])
+    try:
+        first = kill_server()
+        with forkserver.engine_core_start_method(use_forkserver=True):
+            import vllm.v1.engine.utils as engine_utils
+
+            child = engine_utils.get_mp_context().Process(target=forkserver._noop, daemon=True)
+            child.start()
+            child.join(30)
+        assert child.exitcode == 0
         second = address()
         assert second != first and bound(second)
         assert not os.path.exists(first), "the dead server's socket file was left"
