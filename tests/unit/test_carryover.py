@@ -133,15 +133,21 @@ def test_cached_tokens_after_a_seam_are_the_clients_prompts_on_its_first_engine(
 
 def test_the_first_engine_gets_the_clients_params_and_a_later_attempt_a_copy_from_before_it():
     """vLLM's input processor writes to the parameters it is given before it copies them
-    (``verify``: the structured-output backend it chose, ...). The first engine gets the client's
+    (``verify``: the structured-output backend it chose, a choice rewritten as a grammar; it
+    rebinds attributes, ``test_pristine`` holds it to that). The first engine gets the client's
     object, as in `vllm serve`; a retry (nothing sent yet) and a continuation start from a copy
     taken before any engine saw it."""
-    params = SamplingParams(temperature=0, max_tokens=4, stop=["x"], output_kind=RequestOutputKind.DELTA)
+    from vllm.sampling_params import StructuredOutputsParams
+
+    params = SamplingParams(temperature=0, max_tokens=4, stop=["x"], output_kind=RequestOutputKind.DELTA,
+                            structured_outputs=StructuredOutputsParams(choice=["a", "b"]))
     req = Carryover({"prompt_token_ids": PROMPT}, params, {}, "r", None, None)
     first = req.next_request()[0]
     assert first is params
-    first.stop.append("written by the first engine")
+    first.structured_outputs.choice, first.structured_outputs.grammar = None, 'root ::= "a" | "b"'
+    first.stop = ["x", "written by the first engine"]
     first.max_tokens = 1
     retry = req.next_request()[0]
     assert retry is not params and retry.stop == ["x"] and retry.max_tokens == 4
+    assert retry.structured_outputs.choice == ["a", "b"] and retry.structured_outputs.grammar is None
     assert req.next_request()[0] is not retry  # each retry its own copy

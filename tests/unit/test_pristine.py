@@ -1,0 +1,76 @@
+"""``Carryover``'s ``pristine`` copy of a request's sampling parameters is what a later engine
+starts from: the first engine is given the client's own object, and vLLM's input processor
+validates it in place (``SamplingParams.verify``) before its own clone. The copy is shallow
+(0.3 µs instead of a deep copy's 18 µs per request), which holds only while ``verify`` rebinds
+attributes and changes nothing inside them: the installed vLLM's ``verify`` is run here, with
+the demo model's config and tokenizer, on every kind of request the front builds, and the copy
+must still equal a deep copy taken before."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from vllm import SamplingParams
+from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+from supervisor.carryover import pristine
+from supervisor.demo_model import build_demo_model
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "n": {"type": "integer"}},
+          "required": ["city"]}
+
+KINDS = {
+    "greedy": dict(temperature=0),
+    "seeded sampling": dict(temperature=0.8, top_p=0.9, top_k=20, min_p=0.05, seed=7),
+    "penalties": dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2),
+    "logit bias": dict(logit_bias={5: 2.0, 9: -100.0}),
+    "allowed token ids": dict(allowed_token_ids=[5, 6, 7, 8]),
+    "stop strings and ids": dict(stop=["\n\n", "END"], stop_token_ids=[3], include_stop_str_in_output=True),
+    "min tokens": dict(min_tokens=4),
+    "logprobs": dict(logprobs=3, prompt_logprobs=2),
+    "extra args": dict(extra_args={"note": {"nested": [1, 2]}}),
+    "json schema": dict(structured_outputs=StructuredOutputsParams(json=SCHEMA)),
+    "json schema as text": dict(structured_outputs=StructuredOutputsParams(json='{"type": "object"}')),
+    "json object": dict(structured_outputs=StructuredOutputsParams(json_object=True)),
+    "regex": dict(structured_outputs=StructuredOutputsParams(regex="[a-c]{1,4}")),
+    "choice": dict(structured_outputs=StructuredOutputsParams(choice=["yes", "no"])),
+    "grammar": dict(structured_outputs=StructuredOutputsParams(grammar='root ::= "a" | "b" root')),
+}
+
+
+@pytest.fixture(scope="module")
+def validation(tmp_path_factory):
+    """What vLLM's input processor validates with: the model config, the structured-output
+    config (the server's default backend, ``auto``) and the tokenizer."""
+    from vllm.config import StructuredOutputsConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.tokenizers import get_tokenizer
+
+    path = str(build_demo_model(tmp_path_factory.mktemp("data")))
+    return EngineArgs(model=path).create_model_config(), None, StructuredOutputsConfig(), get_tokenizer(path)
+
+
+def params(**kind) -> SamplingParams:
+    """A fresh request of ``kind`` (validation rewrites the kind's own structured outputs)."""
+    return SamplingParams(max_tokens=16, output_kind=RequestOutputKind.DELTA, **copy.deepcopy(kind))
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_the_engines_validation_leaves_the_pristine_copy_as_it_was(validation, kind):
+    given = params(**KINDS[kind])
+    before = copy.deepcopy(given)
+    copied = pristine(given)
+    given.verify(*validation)  # what the first engine's input processor does to the object it is given
+    assert copied == before
+    assert copied.structured_outputs == before.structured_outputs
+
+
+def test_the_copy_of_the_structured_outputs_is_needed(validation):
+    """The check above can fail: validation rewrites a choice as a grammar and records its
+    backend on the structured-output parameters, which a copy of the request alone shares."""
+    given = params(**KINDS["choice"])
+    before = copy.deepcopy(given)
+    shallow = copy.copy(given)
+    given.verify(*validation)
+    assert given != before and shallow.structured_outputs != before.structured_outputs
