@@ -198,11 +198,14 @@ def _unlink_replaced_sockets(server: multiprocessing.forkserver.ForkServer) -> N
     original = server.ensure_running
 
     def ensure_running() -> None:
-        before = server._forkserver_address
+        # Only a server this process started: a process forked by the fork server (an engine
+        # core) inherits the server's address without its pid, and a server of its own must
+        # not take the daemon's live socket with it.
+        before = server._forkserver_address if server._forkserver_pid is not None else None
         try:
             original()
         finally:
-            if server._forkserver_address != before:
+            if before is not None and server._forkserver_address != before:
                 _unlink(before)
 
     server.ensure_running = ensure_running

@@ -69,3 +69,19 @@ def test_a_fork_that_replaces_a_dead_server_removes_its_socket_too():
     finally:
         forkserver.stop()
     assert not os.path.exists(second)
+
+
+def test_a_server_started_in_a_fork_server_child_leaves_the_parents_socket(tmp_path):
+    """A process forked by the fork server (an engine core) inherits the server's address but
+    not its pid; a fork server it starts of its own (the ``mp`` executor's workers under
+    ``VLLM_WORKER_MULTIPROC_METHOD=forkserver``) must not remove the daemon's live socket."""
+    server = multiprocessing.forkserver._forkserver
+    parents = tmp_path / "listener-parent"
+    parents.write_text("")  # stands for the daemon's live socket
+    server._forkserver_address, server._forkserver_pid = str(parents), None  # as a child of the server has them
+    try:
+        forkserver.start(["json"])
+        assert address() != str(parents) and bound(address())
+        assert parents.exists(), "the parent's socket was removed by a child's own fork server"
+    finally:
+        forkserver.stop()

@@ -1,10 +1,11 @@
 """``Carryover``'s ``pristine`` copy of a request's sampling parameters is what a later engine
 starts from: the first engine is given the client's own object, and vLLM's input processor
-validates it in place (``SamplingParams.verify``) before its own clone. The copy is shallow
-(0.3 µs instead of a deep copy's 18 µs per request), which holds only while ``verify`` rebinds
-attributes and changes nothing inside them: the installed vLLM's ``verify`` is run here, with
-the demo model's config and tokenizer, on every kind of request the front builds, and the copy
-must still equal a deep copy taken before."""
+validates it in place (``SamplingParams.verify``), then clones it (shallowly for the OpenAI
+front's parameters, ``skip_clone``) and adds the model's end-of-sequence ids to the clone. The
+copy is shallow (under a microsecond instead of a deep copy's 18 µs per request), which holds
+only while those steps rebind attributes and change nothing inside them beyond what the copy
+copies: the installed vLLM's steps are run here, with the demo model's config and tokenizer, on
+every kind of request the front builds, and the copy must still equal a deep copy taken before."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ KINDS = {
     "regex": dict(structured_outputs=StructuredOutputsParams(regex="[a-c]{1,4}")),
     "choice": dict(structured_outputs=StructuredOutputsParams(choice=["yes", "no"])),
     "grammar": dict(structured_outputs=StructuredOutputsParams(grammar='root ::= "a" | "b" root')),
+    "bad words": dict(bad_words=["hello", "the end"]),
 }
 
 
@@ -52,25 +54,39 @@ def validation(tmp_path_factory):
 
 
 def params(**kind) -> SamplingParams:
-    """A fresh request of ``kind`` (validation rewrites the kind's own structured outputs)."""
-    return SamplingParams(max_tokens=16, output_kind=RequestOutputKind.DELTA, **copy.deepcopy(kind))
+    """A fresh request of ``kind`` as the OpenAI front builds it (``skip_clone``; validation
+    rewrites the kind's own structured outputs, so each gets a copy)."""
+    return SamplingParams(max_tokens=16, output_kind=RequestOutputKind.DELTA, skip_clone=True, **copy.deepcopy(kind))
+
+
+def engine_steps(given: SamplingParams, validation) -> None:
+    """What the first engine's input processor does with the object it is given
+    (``InputProcessor._validate_params`` and ``process_inputs``)."""
+    model_config, _, _, tokenizer = validation
+    given.verify(*validation)
+    local = given.clone()
+    local.update_from_generation_config(model_config.try_get_generation_config(), tokenizer.eos_token_id)
+    local.update_from_tokenizer(tokenizer)
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_the_engines_validation_leaves_the_pristine_copy_as_it_was(validation, kind):
+def test_the_engines_steps_leave_the_pristine_copy_as_it_was(validation, kind):
     given = params(**KINDS[kind])
     before = copy.deepcopy(given)
     copied = pristine(given)
-    given.verify(*validation)  # what the first engine's input processor does to the object it is given
+    engine_steps(given, validation)
     assert copied == before
     assert copied.structured_outputs == before.structured_outputs
+    assert copied._all_stop_token_ids == before._all_stop_token_ids
 
 
-def test_the_copy_of_the_structured_outputs_is_needed(validation):
+def test_the_copies_inside_are_needed(validation):
     """The check above can fail: validation rewrites a choice as a grammar and records its
-    backend on the structured-output parameters, which a copy of the request alone shares."""
+    backend on the structured-output parameters, and the clone adds the end-of-sequence id to
+    the stop ids' set, both of which a copy of the request alone shares."""
     given = params(**KINDS["choice"])
     before = copy.deepcopy(given)
     shallow = copy.copy(given)
-    given.verify(*validation)
-    assert given != before and shallow.structured_outputs != before.structured_outputs
+    engine_steps(given, validation)
+    assert shallow.structured_outputs != before.structured_outputs
+    assert shallow._all_stop_token_ids != before._all_stop_token_ids
