@@ -11,6 +11,8 @@ import os
 import signal
 import time
 
+import pytest
+
 from executor import forkserver
 from executor.procfs import bound_unix_sockets
 
@@ -37,32 +39,28 @@ def kill_server() -> str:
     return first
 
 
-def test_a_dead_fork_servers_socket_is_removed_when_it_is_replaced():
+def replace_by_start() -> None:
+    forkserver.start(["json"])
+
+
+def replace_by_a_build() -> None:
+    """An engine build's own fork (the server died after the standby's claim said it was
+    alive), not ``start()``."""
+    with forkserver.engine_core_start_method(use_forkserver=True):
+        import vllm.v1.engine.utils as engine_utils
+
+        child = engine_utils.get_mp_context().Process(target=forkserver._noop, daemon=True)
+        child.start()
+        child.join(30)
+    assert child.exitcode == 0
+
+
+@pytest.mark.parametrize("replace", [replace_by_start, replace_by_a_build], ids=["start", "a build's fork"])
+def test_a_dead_fork_servers_socket_is_removed_when_it_is_replaced(replace):
     forkserver.start(["json"])
     try:
         first = kill_server()
-        forkserver.start(["json"])
-        second = address()
-        assert second != first and bound(second)
-        assert not os.path.exists(first), "the dead server's socket file was left"
-    finally:
-        forkserver.stop()
-    assert not os.path.exists(second)
-
-
-def test_a_fork_that_replaces_a_dead_server_removes_its_socket_too():
-    """The replacement made by an engine build's own fork (the server died after the
-    standby's claim said it was alive), not by ``start()``."""
-    forkserver.start(["json"])
-    try:
-        first = kill_server()
-        with forkserver.engine_core_start_method(use_forkserver=True):
-            import vllm.v1.engine.utils as engine_utils
-
-            child = engine_utils.get_mp_context().Process(target=forkserver._noop, daemon=True)
-            child.start()
-            child.join(30)
-        assert child.exitcode == 0
+        replace()
         second = address()
         assert second != first and bound(second)
         assert not os.path.exists(first), "the dead server's socket file was left"
