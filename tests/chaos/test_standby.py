@@ -23,8 +23,8 @@ from chaos import inject
 from executor.procfs import children
 from supervisor import standby_sched
 from chaos.load import PROMPTS, as_reference, compare, run_with_fault
-from tests.chaos.test_recovery import (MAX_TOKENS, _batch, assert_all_exact, assert_clean_generation, finish, start_daemon,
-                                      stop_leaves_nothing, wait_state)
+from tests.chaos.test_recovery import (FAST_PROBES, MAX_TOKENS, _batch, assert_all_exact, assert_clean_generation, finish,
+                                      start_daemon, stop_leaves_nothing, wait_state)
 
 pytestmark = pytest.mark.integration
 
@@ -283,13 +283,13 @@ def test_a_starved_worker_is_not_judged_hung(tp1, ray_head):
     starved = 'vllm_supervisor_engine_starved_seconds_total{replica="0"}'
     hangs = 'vllm_supervisor_restarts_total{reason="hang",replica="0"}'
     starved_before, hangs_before = supervisor_metric(daemon, starved), supervisor_metric(daemon, hangs)
-    # The stall the verdict needs: hang_timeout_s (4 s), then up to a check's period and the
+    # The stall the verdict needs: the daemon's hang_timeout_s (4 s), then up to a check's period and the
     # confirmation's re-read. The kernel may still let the starved worker step once before that
     # (a fresh clone, 2026-12-05: the streams' largest gap 4.02 s, so no stall was confirmed and
     # nothing counted): an injector's miss, not the daemon's, so the starvation is tried again.
     from health.probe import CONFIRM_S, STALL_CHECK_S
 
-    needed = 4.0 + STALL_CHECK_S + CONFIRM_S
+    needed = FAST_PROBES["hang_timeout_s"] + STALL_CHECK_S + CONFIRM_S
     for _attempt in range(3):
         records, info = asyncio.run(run_with_fault(daemon.base_url, 4, MAX_TOKENS, lambda: starve(worker, 8.0, bind=True)))
         exact(records, ref)
