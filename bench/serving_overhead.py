@@ -43,6 +43,11 @@ of the first 24 rounds mixed them (22 of 78 with a server started per window): `
 
     python -m bench.serving_overhead --saturation --interleave --alone --rounds 12 --client-nice -10 \
         --settle-s 60 --kinds vllm_serve daemon daemon_standby_none
+
+``daemon_standby_frozen`` (with ``--interleave``): the defaults, but the ready standby's processes
+stay stopped from the settle on, its own windows included; beside ``daemon`` and
+``daemon_without_idle`` (no standby made, the serving worker made as by default) it splits the
+standby's price into its running, its being there, and the way the serving worker was made.
 """
 
 from __future__ import annotations
@@ -103,16 +108,18 @@ LABELS = {"vllm_serve": "vllm serve", "daemon": "daemon (defaults)", "daemon_sta
           "daemon_without_starter": "daemon, standby: worker made cold", "daemon_without_idle": "daemon, standby: no idle standby",
           "daemon_without_poll": "daemon, standby: no liveness poll",
           "daemon_without_park": "daemon, standby: workers not parked",
+          "daemon_standby_frozen": "daemon, standby frozen",
           "vllm_serve_mp": "vllm serve (mp)", "daemon_mp": "daemon (mp)"}
 # Each daemon is compared with `vllm serve` on the same executor: supervision's own cost is the
 # difference within each pair (Ray V2 with our executor class on the same Ray head; vLLM's `mp`).
 BASELINE = {"daemon": "vllm_serve", "daemon_standby_none": "vllm_serve", "daemon_kv_at_adoption": "vllm_serve",
             "daemon_without_starter": "vllm_serve", "daemon_without_idle": "vllm_serve",
-            "daemon_without_poll": "vllm_serve", "daemon_without_park": "vllm_serve", "daemon_mp": "vllm_serve_mp"}
+            "daemon_without_poll": "vllm_serve", "daemon_without_park": "vllm_serve", "daemon_standby_frozen": "vllm_serve",
+            "daemon_mp": "vllm_serve_mp"}
 # each daemon kind's `[supervisor]` settings besides the defaults
 SUPERVISOR = {"daemon": {}, "daemon_standby_none": {"standby": "none"}, "daemon_kv_at_adoption": {"standby_kv": "at_adoption"},
               "daemon_without_starter": {}, "daemon_without_idle": {}, "daemon_without_poll": {},
-              "daemon_without_park": {}, "daemon_mp": {"standby": "none"}}
+              "daemon_without_park": {}, "daemon_standby_frozen": {}, "daemon_mp": {"standby": "none"}}
 # the warm standby's parts a daemon kind leaves out, to measure them apart (``supervisor.testhooks``:
 # the test hooks' switch on, the only other effect of which on serving is a per-step check in the
 # worker for a poisoned request): the workers made cold by vLLM's executor; no standby prepared
@@ -120,6 +127,11 @@ SUPERVISOR = {"daemon": {}, "daemon_standby_none": {"standby": "none"}, "daemon_
 # workers not parked (awake in Ray's task loop, as before 2026-12-03)
 WITHOUT = {"daemon_without_starter": "starter", "daemon_without_idle": "idle", "daemon_without_poll": "poll",
            "daemon_without_park": "park"}
+# With ``--alone``: the daemon kinds whose ready standby (its worker, the engine core's fork server)
+# stays stopped (SIGSTOP) through their own windows too, the defaults otherwise: what of the
+# standby's cost is its running (its Ray threads' wake-ups, its parks), not its being there (its
+# memory, its actor in Ray's tables)
+FROZEN = {"daemon_standby_frozen"}
 # `vllm serve` without --distributed-executor-backend is `mp` here: vLLM's CPU platform turns its
 # TP=1 default (`uni`, the model in the engine-core process) into `mp`, since OpenMP's binding is
 # set up for a worker process (vllm/platforms/cpu.py). On a GPU host it stays `uni`.
@@ -515,12 +527,12 @@ def signal_all(pids: list[int], sig: int) -> None:
 
 @contextlib.contextmanager
 def alone(kind: str, servers: dict[str, Any], workers: dict[str, dict[int, int]], head: RayHead,
-          thaw_s: float) -> Iterator[None]:
+          thaw_s: float, frozen: tuple[int, ...] = ()) -> Iterator[None]:
     """``kind``'s server continued (SIGCONT) ``thaw_s`` before the block, so that what its timers
     owe is done before the window, and stopped again (SIGSTOP) after it, with the Ray workers that
     appeared meanwhile (a standby's replacement, a rebuild's: every other server is stopped, so
-    they are its own); the others stay stopped."""
-    signal_all(server_pids(servers[kind], workers[kind]), signal.SIGCONT)
+    they are its own); the others stay stopped, and so do ``frozen`` (``FROZEN``' standby)."""
+    signal_all([p for p in server_pids(servers[kind], workers[kind]) if p not in frozen], signal.SIGCONT)
     try:
         time.sleep(thaw_s)
         yield
@@ -547,12 +559,18 @@ def run_interleaved(kinds: list[str], work: Path, head: RayHead, args) -> dict[s
         for kind in kinds:
             warm_up(servers[kind], work / kind, kind, args)
         time.sleep(args.settle_s)
+        frozen = {kind: tuple(standby_pids(servers[kind])) for kind in kinds if kind in FROZEN}
+        for kind, pids in frozen.items():
+            print(f"{kind}: its standby's processes {list(pids)} stay stopped through its windows", flush=True)
+            signal_all(list(pids), signal.SIGSTOP)
         if args.alone:
             for kind in kinds:
                 signal_all(server_pids(servers[kind], workers[kind]), signal.SIGSTOP)
         for r, kind in alternating(kinds, args.rounds):
-            with alone(kind, servers, workers, head, args.thaw_s) if args.alone else contextlib.nullcontext():
+            with alone(kind, servers, workers, head, args.thaw_s, frozen.get(kind, ())) if args.alone else contextlib.nullcontext():
                 runs[kind].append(report(r, kind, measure(servers[kind], work / kind, f"{kind}-{r}", head, args)))
+                if kind in frozen and tuple(standby_pids(servers[kind])) != frozen[kind]:
+                    raise RuntimeError(f"{kind}'s standby changed while it was stopped: {standby_pids(servers[kind])}")
     finally:
         for kind, server in servers.items():  # every one continued before any is stopped
             signal_all(server_pids(server, workers.get(kind, {})), signal.SIGCONT)
@@ -632,6 +650,8 @@ def main() -> int:
                            if args.saturation else ["vllm_serve", "daemon"])
     missing = {BASELINE[k] for k in kinds if k in BASELINE} - set(kinds)
     assert not missing, f"each daemon is compared with its baseline: add {sorted(missing)}"
+    if FROZEN & set(kinds) and not args.interleave:
+        parser.error(f"{sorted(FROZEN & set(kinds))} need --interleave: a standby is stopped once it is ready")
     daemons = [k for k in kinds if k in BASELINE]
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
