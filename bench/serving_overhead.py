@@ -109,24 +109,27 @@ LABELS = {"vllm_serve": "vllm serve", "daemon": "daemon (defaults)", "daemon_sta
           "daemon_without_poll": "daemon, standby: no liveness poll",
           "daemon_without_park": "daemon, standby: workers not parked",
           "daemon_standby_frozen": "daemon, standby frozen",
+          "daemon_without_freeze": "daemon, standby: workers not stopped",
           "vllm_serve_mp": "vllm serve (mp)", "daemon_mp": "daemon (mp)"}
 # Each daemon is compared with `vllm serve` on the same executor: supervision's own cost is the
 # difference within each pair (Ray V2 with our executor class on the same Ray head; vLLM's `mp`).
 BASELINE = {"daemon": "vllm_serve", "daemon_standby_none": "vllm_serve", "daemon_kv_at_adoption": "vllm_serve",
             "daemon_without_starter": "vllm_serve", "daemon_without_idle": "vllm_serve",
             "daemon_without_poll": "vllm_serve", "daemon_without_park": "vllm_serve", "daemon_standby_frozen": "vllm_serve",
-            "daemon_mp": "vllm_serve_mp"}
+            "daemon_without_freeze": "vllm_serve", "daemon_mp": "vllm_serve_mp"}
 # each daemon kind's `[supervisor]` settings besides the defaults
 SUPERVISOR = {"daemon": {}, "daemon_standby_none": {"standby": "none"}, "daemon_kv_at_adoption": {"standby_kv": "at_adoption"},
               "daemon_without_starter": {}, "daemon_without_idle": {}, "daemon_without_poll": {},
-              "daemon_without_park": {}, "daemon_standby_frozen": {}, "daemon_mp": {"standby": "none"}}
+              "daemon_without_park": {}, "daemon_standby_frozen": {}, "daemon_without_freeze": {},
+              "daemon_mp": {"standby": "none"}}
 # the warm standby's parts a daemon kind leaves out, to measure them apart (``supervisor.testhooks``:
 # the test hooks' switch on, the only other effect of which on serving is a per-step check in the
 # worker for a poisoned request): the workers made cold by vLLM's executor; no standby prepared
 # after the build (no fork server, idle worker or liveness poll); the ready standby not polled; its
-# workers not parked (awake in Ray's task loop, as before 2026-12-03)
+# workers not parked (awake in Ray's task loop, as before 2026-12-03); its workers not stopped
+# (resting under SCHED_IDLE only, as before 2026-12-05)
 WITHOUT = {"daemon_without_starter": "starter", "daemon_without_idle": "idle", "daemon_without_poll": "poll",
-           "daemon_without_park": "park"}
+           "daemon_without_park": "park", "daemon_without_freeze": "freeze"}
 # With ``--alone``: the daemon kinds whose ready standby (its worker, the engine core's fork server)
 # stays stopped (SIGSTOP) through their own windows too, the defaults otherwise: what of the
 # standby's cost is its running (its Ray threads' wake-ups, its parks), not its being there (its
@@ -439,6 +442,11 @@ def stopped(pids: list[int]) -> Iterator[list[int]]:
             os.kill(pid, signal.SIGCONT)
 
 
+def server_stopped(server) -> tuple[int, ...]:
+    """The processes a daemon stopped itself (its ready standby's workers: ``standby.stopped``)."""
+    return tuple(server.status().get("standby", {}).get("stopped", []))
+
+
 def standby_pids(server) -> list[int]:
     """The processes of a daemon's warm standby (the engine core's fork server, its workers), from
     its status; the probes stop or renice them from outside."""
@@ -563,13 +571,17 @@ def run_interleaved(kinds: list[str], work: Path, head: RayHead, args) -> dict[s
         for kind, pids in frozen.items():
             print(f"{kind}: its standby's processes {list(pids)} stay stopped through its windows", flush=True)
             signal_all(list(pids), signal.SIGSTOP)
+        for kind in kinds:  # what a daemon stopped itself (its ready standby's workers) it alone continues
+            if kind in BASELINE and kind not in frozen and (own := server_stopped(servers[kind])):
+                frozen[kind] = own
+                print(f"{kind}: its standby's workers {list(own)}, stopped by the daemon, are left to it", flush=True)
         if args.alone:
             for kind in kinds:
                 signal_all(server_pids(servers[kind], workers[kind]), signal.SIGSTOP)
         for r, kind in alternating(kinds, args.rounds):
             with alone(kind, servers, workers, head, args.thaw_s, frozen.get(kind, ())) if args.alone else contextlib.nullcontext():
                 runs[kind].append(report(r, kind, measure(servers[kind], work / kind, f"{kind}-{r}", head, args)))
-                if kind in frozen and tuple(standby_pids(servers[kind])) != frozen[kind]:
+                if kind in FROZEN and tuple(standby_pids(servers[kind])) != frozen[kind]:
                     raise RuntimeError(f"{kind}'s standby changed while it was stopped: {standby_pids(servers[kind])}")
     finally:
         for kind, server in servers.items():  # every one continued before any is stopped

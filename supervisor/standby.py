@@ -88,6 +88,9 @@ class Standby:
         # other build's claim takes the fork server back, and the fork server does not rest
         # again while such a build may still fork from it (``_forking``: their generations).
         self.resting: list[int] = []
+        # Its workers on this host stopped (SIGSTOP) while it is ready (``standby_sched.stop``):
+        # continued by any claim that takes them, and before any discard kills them.
+        self.stopped: list[int] = []
         self._forking: set[int] = set()
         self.last_error = ""
         self._task: asyncio.Task | None = None
@@ -117,6 +120,7 @@ class Standby:
             "ready_after_s": None if self.ready_after_s is None else round(self.ready_after_s, 2),
             "watch": self.watch if self.state is StandbyState.READY else "",
             "resting": list(self.resting),
+            "stopped": list(self.stopped),
             "replacements": self.replacements,
             "adoptions": dict(self.adoptions),
             **({"last_error": self.last_error} if self.last_error else {}),
@@ -178,7 +182,7 @@ class Standby:
         # the fork server does not rest again until that build is built or has failed.
         if not mine:
             self._forking.add(generation)
-        self._restore_policy(only=[self.forkserver_pid] if busy else None)
+        self._take_back(only=[self.forkserver_pid] if busy else None)
         if busy:
             return {"namespace": None, "forkserver": await asyncio.to_thread(self.host.forkserver_alive)}
         async with self._creating:  # an actor creation in flight finishes first
@@ -250,6 +254,7 @@ class Standby:
         The fork server is local and stays; the next READY prepares workers again."""
         async with self._creating:  # a creation in flight fails as the Ray agent is killed
             await self._cancel()
+        self._continue_workers()  # one that outlived its cluster ends as any of its workers does
         self.workers = []
         if self.state is not StandbyState.OFF:
             self._to(StandbyState.OFF, "the Ray cluster was lost")
@@ -271,6 +276,7 @@ class Standby:
             await asyncio.gather(task, return_exceptions=True)
 
     async def _discard_workers(self) -> None:
+        self._continue_workers()  # a stopped actor would take Ray 5 s to kill (its SIGKILL fallback)
         workers, self.workers = self.workers, []
         if workers:
             await asyncio.to_thread(self.host.kill, workers)
@@ -335,18 +341,29 @@ class Standby:
             if left:
                 log.info("the standby waits at the normal scheduling policy: taking it back from SCHED_IDLE needs "
                          "CAP_SYS_NICE or an RLIMIT_NICE of 20 (systemd: LimitNICE=+0)", pids=left)
+        if "freeze" not in self._without:  # its workers on this host; the fork server sleeps anyway
+            workers = [pid for pid in self._part_pids()[0].values() if pid != self.forkserver_pid]
+            self.stopped = sorted(set(self.stopped) | set(standby_sched.stop(workers)))
         log.info("standby ready", for_generation=generation, took_s=round(self.ready_after_s, 2),
                  forkserver_pid=self.forkserver_pid, worker_pids=[w.get("pid") for w in self.workers],
-                 resting=self.resting)
+                 resting=self.resting, stopped=self.stopped)
 
-    def _restore_policy(self, only: list[int | None] | None = None) -> None:
+    def _continue_workers(self) -> None:
+        """Every stopped worker continued (``standby_sched.cont``), before the standby lets them go."""
+        stopped, self.stopped = self.stopped, []
+        standby_sched.cont(stopped)
+
+    def _take_back(self, only: list[int | None] | None = None) -> None:
         """Every process ``rest`` set to SCHED_IDLE (or those of them in ``only``) back to the normal
-        policy (``standby_sched``). On the event loop, as ``rest``: a system call per thread,
-        well under a millisecond for a standby's few processes, and no claim can land between
-        the policy and its record."""
+        policy, and continued if it was stopped (``standby_sched``). On the event loop, as ``rest``:
+        a system call per thread, well under a millisecond for a standby's few processes, and no
+        claim can land between the policy and its record."""
         resting = [p for p in self.resting if only is None or p in only]
         self.resting = [p for p in self.resting if p not in resting]
+        stopped = [p for p in self.stopped if only is None or p in only]
+        self.stopped = [p for p in self.stopped if p not in stopped]
         refused = standby_sched.restore(resting)
+        standby_sched.cont(stopped)  # at the normal policy already when it runs again
         if refused:
             log.warning("could not take the standby's processes back to the normal scheduling policy; "
                         "what is built in them keeps the resting one", pids=refused)

@@ -1,4 +1,4 @@
-"""The ready standby's processes rest under ``SCHED_IDLE`` while they wait.
+"""The ready standby's processes rest while they wait: under ``SCHED_IDLE``, and its workers stopped.
 
 A ready standby does almost nothing: its parked worker's Ray and gRPC threads wake about 64 times
 a second for 4 ms of a core, and the engine core's fork server sleeps. On a host whose cores the
@@ -22,12 +22,26 @@ the fork server only, which then does not rest again until that build's fork is 
 started meanwhile inherit ``SCHED_IDLE``; ``restore`` reads the threads again, so they are taken
 back too. Niceness is untouched (Ray's ``worker_niceness`` stays
 as ``executor.ray_v2`` sets it).
+
+Under ``SCHED_IDLE`` the parked worker's Ray and gRPC threads still wake (56 times a second, 3 ms
+of a core, measured on 2026-12-05), and at saturation on 2 cores that still cost the first token:
+a standby whose worker was stopped outright (SIGSTOP) served it sooner than one resting under
+``SCHED_IDLE`` in 9 of 10 rounds, 0.82 ms of the TTFT p50 (+0.14 to +1.91), and with it stopped
+the standby cost nothing measurable (docs/benchmarks.md, "The standby's price split"). So a ready
+standby's workers on this host are also stopped (``stop``), which needs no privilege, and every
+claim that takes them continues them first (``cont``), as does every discard before it kills them.
+The fork server is not stopped: it sleeps in a read (no wake-up to save), and a stopped one would
+outlive a daemon killed with SIGKILL, since only its read of the daemon's end would end it. A
+stopped Ray worker does not: Ray SIGKILLs an actor whose owner died, or that ``ray.kill`` could
+not reach, 5 s later, and its raylet's death kills it at once (measured on Ray 2.60); the crash
+reaper SIGKILLs it with the daemon's tree.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
 from pathlib import Path
 
 CAP_SYS_NICE = 23
@@ -110,3 +124,26 @@ def restore(pids: list[int]) -> list[int]:
             refused.append(pid)
     return refused
 
+
+
+def stop(pids: list[int]) -> list[int]:
+    """Each of ``pids`` stopped (SIGSTOP): the pids stopped. Never the daemon's own process (a
+    test's fake may name it), nor one that is gone or belongs to another user."""
+    stopped = []
+    for pid in pids:
+        if not pid or pid in (os.getpid(), 1):
+            continue
+        try:
+            os.kill(pid, signal.SIGSTOP)
+        except (ProcessLookupError, PermissionError):
+            continue
+        stopped.append(pid)
+    return stopped
+
+
+def cont(pids: list[int]) -> None:
+    """Each of ``pids`` continued (SIGCONT); one that is gone is skipped. A pid given to another
+    process meanwhile takes no harm: a running process ignores SIGCONT unless it asked for it."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGCONT)

@@ -32,7 +32,7 @@ HOLD_AFTER = "supervisor_test_hold_after"
 HOLD_ENGINES = "supervisor_test_hold_engines"
 TOKEN_CLOCK_ENV = "VLLM_SUPERVISOR_TEST_TOKEN_CLOCK"
 STANDBY_WITHOUT_ENV = "VLLM_SUPERVISOR_TEST_STANDBY_WITHOUT"
-STANDBY_PARTS = ("starter", "idle", "poll", "preload", "park", "rest")
+STANDBY_PARTS = ("starter", "idle", "poll", "preload", "park", "rest", "freeze")
 
 
 def token_clock_only() -> bool:
@@ -53,7 +53,8 @@ def standby_without() -> frozenset[str]:
     not polled; ``preload``, the Ray agent not importing the worker class (vLLM, torch) ahead
     of the first creation (with ``starter`` and ``idle`` out: never); ``park``, a ready standby's
     workers not parked (``executor.standby``: they wait awake, as any Ray actor); ``rest``, a ready
-    standby's processes left at the normal scheduling policy (``supervisor.standby_sched``). An unknown part is an error, so a bench cannot measure a misspelt one."""
+    standby's processes left at the normal scheduling policy (``supervisor.standby_sched``);
+    ``freeze``, a ready standby's workers left running (not stopped, ``standby_sched.stop``). An unknown part is an error, so a bench cannot measure a misspelt one."""
     import os
 
     if not enabled():

@@ -12,6 +12,7 @@ import glob
 import json
 import os
 import re
+import signal
 import threading
 import time
 from pathlib import Path
@@ -20,6 +21,7 @@ import httpx
 import pytest
 
 from chaos import inject
+from executor import procfs
 from executor.procfs import children
 from supervisor import standby_sched
 from chaos.load import PROMPTS, as_reference, compare, run_with_fault
@@ -59,6 +61,11 @@ def rss_bytes(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+def process_state(pid: int) -> str:
+    """``pid``'s state letter (``/proc/<pid>/stat``): "T" when stopped, "?" when gone."""
+    return (procfs.stat(pid) or [b"?"])[0].decode()
 
 
 def main_thread_switches(pid: int, window_s: float) -> int:
@@ -136,9 +143,18 @@ def test_kill_is_recovered_in_the_standby_process(tp1, ray_head):
     # daemon's default KV size on CPU is 1 GiB)
     reserved_rss = rss_bytes(standby_pids[0])
     assert reserved_rss > GiB, f"standby worker's RSS {reserved_rss / GiB:.2f} GiB: its KV memory is not reserved"
-    # parked: its main thread sleeps on the wake-up socket instead of Ray's 10 ms signal check
-    # (about 100 wake-ups a second awake; the park itself ends every PARK_S = 2 s)
-    woke = main_thread_switches(standby_pids[0], 3.0)
+    # stopped while ready (supervisor.standby_sched.stop): its Ray threads' wake-ups cost the
+    # serving engine's first token at saturation even under SCHED_IDLE
+    assert standby["stopped"] == standby_pids and process_state(standby_pids[0]) == "T", standby
+    # and parked under it, as a standby on another node (which the daemon cannot stop) waits: its
+    # main thread sleeps on the wake-up socket instead of Ray's 10 ms signal check (about 100
+    # wake-ups a second awake; the park itself ends every PARK_S = 2 s). Measured with the worker
+    # continued for the window, and stopped again after it, as the daemon left it.
+    os.kill(standby_pids[0], signal.SIGCONT)
+    try:
+        woke = main_thread_switches(standby_pids[0], 3.0)
+    finally:
+        os.kill(standby_pids[0], signal.SIGSTOP)
     assert woke < 30, f"the ready standby's main thread woke {woke} times in 3 s: it is not parked"
     # and its parks (one every PARK_S) leave no record in the cluster's task table, where they
     # would crowd an operator's own tasks out of `ray list tasks` (1,800 an hour per worker)
@@ -161,8 +177,9 @@ def test_kill_is_recovered_in_the_standby_process(tp1, ray_head):
     assert rec["ok"] and rec["from_generation"] == gen and rec["reason"] == "worker_death" and rec["cause"] == "killed", rec
     assert "rank(s) [0]" in rec["detail"] and info["killed"] in rec["detail"], rec
     assert rec["standby"] == {"result": "adopted", "adopted_ranks": [0]}, rec
-    # the new generation's worker is the standby's process, started before the fault
+    # the new generation's worker is the standby's process, started before the fault, running
     assert [w["pid"] for w in daemon.full_status()["workers"]] == standby_pids
+    assert process_state(standby_pids[0]) != "T" and after["standby"]["stopped"] != standby_pids
     # back at the normal policy, as the engine core the fork server forked for this generation
     cores = children({forkserver})
     assert cores and {p: thread_policies(p) for p in [*standby_pids, *cores]} == {
@@ -183,6 +200,7 @@ def test_kill_is_recovered_in_the_standby_process(tp1, ray_head):
     assert set(w["pid"] for w in s2["standby"]["workers"]).isdisjoint(standby_pids)
     # resting in its turn: the new worker and the fork server, not the engine core it forked
     assert s2["standby"]["resting"] == sorted([*(w["pid"] for w in s2["standby"]["workers"]), forkserver])
+    assert s2["standby"]["stopped"] == [w["pid"] for w in s2["standby"]["workers"]]
     assert {p: thread_policies(p) for p in cores} == {p: {os.SCHED_OTHER} for p in cores}
     metrics = httpx.get(daemon.base_url + "/metrics/supervisor").text
     assert 'vllm_supervisor_standby_state{state="ready"} 1.0' in metrics

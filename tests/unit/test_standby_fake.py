@@ -495,3 +495,89 @@ def test_a_ready_standby_rests_and_each_claim_takes_back_what_its_build_uses(tmp
         await stopped(owner)
 
     run_killing(scenario(), procs)
+
+
+def test_a_ready_standbys_workers_are_stopped_and_continued_before_a_build_or_a_kill_takes_them(tmp_path, monkeypatch):
+    """Once ready, the standby's workers on this host are stopped (SIGSTOP,
+    ``supervisor.standby_sched.stop``); the fork server is not. Another build's claim leaves the
+    worker stopped; the claim of the build it is kept for continues it before that build adopts
+    it, and the next ready standby's worker is stopped in its turn. A discard continues it before
+    the kill (Ray's kill of a stopped actor falls back to SIGKILL after 5 s). A bench that leaves
+    ``freeze`` out finds it running."""
+    import subprocess
+    import sys
+
+    from executor import procfs
+
+    sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
+    procs: dict[str, subprocess.Popen] = {}
+
+    def state(pid):  # "T" stopped, "-" not (running or asleep)
+        return "T" if procfs.stat(pid)[0] == b"T" else "-"
+
+    def process(key):
+        if key not in procs:
+            procs[key] = subprocess.Popen(sleeper)
+        return procs[key]
+
+    async def started():
+        sup = FakeSupervisor(settings(tmp_path))
+        host = sup.builder.standby_workers
+        fake_states = host.states
+        host.states = lambda workers: [dict(s, pid=process(w["actor_id"]).pid, local=True)
+                                       for w, s in zip(workers, fake_states(workers))]
+        host.forkserver_pid = lambda: process("forkserver").pid
+        seen: list[tuple[str, str]] = []  # (what took the standby's workers, their state then)
+        build, kill = sup.builder.build, host.kill
+
+        def building(number, standby=None, replica=0, start_workers=None):
+            if standby and standby.get("namespace"):
+                seen.append(("build", "".join(state(w["pid"]) for w in sup.standby.workers)))
+            return build(number, standby, replica, start_workers)
+
+        def killing(workers):
+            seen.append(("kill", "".join(state(process(w["actor_id"]).pid) for w in workers)))
+            kill(workers)
+
+        sup.builder.build, host.kill = building, killing
+        return sup, asyncio.create_task(sup.run()), seen
+
+    async def stopped(owner):
+        owner.cancel()
+        await asyncio.gather(owner, return_exceptions=True)
+
+    async def scenario():
+        sup, owner, seen = await started()
+        b = sup.builder
+        await wait_for(lambda: sup.standby.state is StandbyState.READY and sup.standby.stopped, 10)
+        worker, server = procs[b.standby_made[0]["actor_id"]].pid, procs["forkserver"].pid
+        assert sup.standby.stopped == [worker] == sup.status()["standby"]["stopped"]
+        assert (state(worker), state(server)) == ("T", "-")
+        # another build's claim forks from the fork server only: the worker stays stopped
+        assert (await sup.standby.claim(sup.standby.generation + 7))["namespace"] is None
+        assert state(worker) == "T" and sup.standby.stopped == [worker]
+        sup.standby.build_failed(sup.standby.generation + 7)
+
+        sup.engines[0].die()
+        sup.post(EngineFailed(1, "worker_death", "rank 0 killed"))
+        await wait_for(lambda: sup.recoveries and sup.standby.state is StandbyState.READY and sup.standby.generation == 3, 10)
+        assert b.serving[2] == b.standby_made[0]["actor_id"]  # the build adopted the standby's worker
+        assert seen == [("build", "-")], seen  # running when the build took it
+        assert state(worker) == "-"  # and it serves running
+        nxt = procs[b.standby_made[1]["actor_id"]].pid
+        assert sup.standby.stopped == [nxt] and state(nxt) == "T"
+        # a discard continues it before the kill
+        await sup.standby.discard("the engine arguments changed")
+        assert seen[1:] == [("kill", "-")] and sup.standby.stopped == [], seen
+        await stopped(owner)
+
+        # left out by a bench: the worker waits running
+        monkeypatch.setenv("VLLM_SUPERVISOR_TEST_HOOKS", "1")
+        monkeypatch.setenv("VLLM_SUPERVISOR_TEST_STANDBY_WITHOUT", "freeze")
+        procs.clear()
+        sup, owner, _ = await started()
+        await wait_for(lambda: sup.standby.state is StandbyState.READY, 10)
+        assert sup.standby.stopped == [] and state(procs[sup.builder.standby_made[0]["actor_id"]].pid) == "-"
+        await stopped(owner)
+
+    run_killing(scenario(), procs)
