@@ -583,6 +583,8 @@ def run_interleaved(kinds: list[str], work: Path, head: RayHead, args) -> dict[s
                 runs[kind].append(report(r, kind, measure(servers[kind], work / kind, f"{kind}-{r}", head, args)))
                 if kind in FROZEN and tuple(standby_pids(servers[kind])) != frozen[kind]:
                     raise RuntimeError(f"{kind}'s standby changed while it was stopped: {standby_pids(servers[kind])}")
+                if kind in BASELINE and kind not in FROZEN:  # a standby replaced meanwhile is stopped anew
+                    frozen[kind] = server_stopped(servers[kind])
     finally:
         for kind, server in servers.items():  # every one continued before any is stopped
             signal_all(server_pids(server, workers.get(kind, {})), signal.SIGCONT)
