@@ -23,13 +23,14 @@ started meanwhile inherit ``SCHED_IDLE``; ``restore`` reads the threads again, s
 back too. Niceness is untouched (Ray's ``worker_niceness`` stays
 as ``executor.ray_v2`` sets it).
 
-Under ``SCHED_IDLE`` the parked worker's Ray and gRPC threads still wake (56 times a second, 3 ms
-of a core, measured on 2026-12-05), and at saturation on 2 cores that still cost the first token:
-a standby whose worker was stopped outright (SIGSTOP) served it sooner than one resting under
-``SCHED_IDLE`` in 9 of 10 rounds, 0.82 ms of the TTFT p50 (+0.14 to +1.91), and with it stopped
-the standby cost nothing measurable (docs/benchmarks.md, "The standby's price split"). So a ready
+Under ``SCHED_IDLE`` the parked worker's Ray and gRPC threads still wake, 56 times a second for
+3 ms of a core (measured on 2026-12-05); stopped (SIGSTOP), it does not run at all. So a ready
 standby's workers on this host are also stopped (``stop``), which needs no privilege, and every
 claim that takes them continues them first (``cont``), as does every discard before it kills them.
+At saturation on 2 cores the stop is not shown to matter: one run of ten rounds served the first
+token sooner with the standby stopped (0.82 ms, resolved), the next two, 24 rounds, did not (the
+standby stopped 1.047× the one resting under ``SCHED_IDLE``, within the noise; docs/benchmarks.md,
+"The standby's price split"). What it saves for certain is the idle standby's own wake-ups.
 The fork server is not stopped: it sleeps in a read (no wake-up to save), and a stopped one would
 outlive a daemon killed with SIGKILL, since only its read of the daemon's end would end it. A
 stopped Ray worker does not: Ray SIGKILLs an actor whose owner died, or that ``ray.kill`` could
@@ -123,7 +124,6 @@ def restore(pids: list[int]) -> list[int]:
         except PermissionError:
             refused.append(pid)
     return refused
-
 
 
 def stop(pids: list[int]) -> list[int]:
