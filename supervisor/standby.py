@@ -343,14 +343,16 @@ class Standby:
                          "CAP_SYS_NICE or an RLIMIT_NICE of 20 (systemd: LimitNICE=+0)", pids=left)
         if "freeze" not in self._without:  # its workers on this host; the fork server sleeps anyway
             workers = [pid for pid in self._part_pids()[0].values() if pid != self.forkserver_pid]
-            self.stopped = sorted(set(self.stopped) | set(standby_sched.stop(workers)))
+            self.stopped = standby_sched.stop(workers)  # none before: every discard continued and forgot them
         log.info("standby ready", for_generation=generation, took_s=round(self.ready_after_s, 2),
                  forkserver_pid=self.forkserver_pid, worker_pids=[w.get("pid") for w in self.workers],
                  resting=self.resting, stopped=self.stopped)
 
-    def _continue_workers(self) -> None:
-        """Every stopped worker continued (``standby_sched.cont``), before the standby lets them go."""
-        stopped, self.stopped = self.stopped, []
+    def _continue_workers(self, only: list[int | None] | None = None) -> None:
+        """Every stopped worker (or those in ``only``) continued (``standby_sched.cont``) and
+        forgotten as stopped: before a build takes them, or the standby lets them go."""
+        stopped = [p for p in self.stopped if only is None or p in only]
+        self.stopped = [p for p in self.stopped if p not in stopped]
         standby_sched.cont(stopped)
 
     def _take_back(self, only: list[int | None] | None = None) -> None:
@@ -360,10 +362,8 @@ class Standby:
         claim can land between the policy and its record."""
         resting = [p for p in self.resting if only is None or p in only]
         self.resting = [p for p in self.resting if p not in resting]
-        stopped = [p for p in self.stopped if only is None or p in only]
-        self.stopped = [p for p in self.stopped if p not in stopped]
         refused = standby_sched.restore(resting)
-        standby_sched.cont(stopped)  # at the normal policy already when it runs again
+        self._continue_workers(only)  # at the normal policy already when it runs again
         if refused:
             log.warning("could not take the standby's processes back to the normal scheduling policy; "
                         "what is built in them keeps the resting one", pids=refused)
