@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import signal
 import socket
@@ -360,7 +361,9 @@ class Daemon:
         """Nothing of ours remains: no process started since the daemon did (its descendants,
         orphans re-parented to init included, whatever their name), no new ``/dev/shm``
         entry (whatever its name) and no new socket no process has bound in a temporary
-        directory, less what the test keeps running on purpose (``kept_running``)."""
+        directory, less what the test keeps running on purpose (``kept_running``); and once
+        the daemon has exited, no segment it removed still held by its resource tracker
+        (``tracker_warned_of_removed``)."""
         from chaos.leaks import cmdline
 
         deadline = time.monotonic() + settle_s
@@ -368,12 +371,23 @@ class Daemon:
             pids = self.leftover_pids()
             new = self.leaks.new(allow=lambda: self.kept_running(keep))
             if not pids and not any(new.values()):
-                return
+                break
             if time.monotonic() > deadline:
                 cmds = {pid: cmdline(pid) for pid in pids} | new["processes"]
                 raise AssertionError(f"left behind: processes {cmds}, /dev/shm {new['shm']}, dead sockets {new['sockets']}, "
                                      f"file stores {new['stores']}")
             time.sleep(0.5)
+        if self.proc is not None and self.proc.poll() is not None:  # its resource tracker has ended too
+            assert not (warned := self.tracker_warned_of_removed()), (
+                f"the daemon's resource tracker, at its exit, still held rings the daemon had removed: {warned}")
+
+    def tracker_warned_of_removed(self) -> set[str]:
+        """The ``/dev/shm`` segments the daemon removed (its teardowns' ``shm_removed``) that its
+        ``multiprocessing`` resource tracker still held at its exit: it warned "No such file or
+        directory" of each (``executor.shm.forget``)."""
+        gone = set(re.findall(r"resource_tracker: '/([^']+)': \[Errno 2\]", self.log_path.read_text(errors="replace")))
+        removed = {name for line in self.log_lines() for name in line.get("shm_removed") or ()}
+        return gone & removed
 
 
 def data_dir() -> Path:

@@ -12,6 +12,7 @@ process still maps.
 from __future__ import annotations
 
 import re
+from multiprocessing import resource_tracker
 from pathlib import Path
 
 SHM_DIR = Path("/dev/shm")
@@ -36,7 +37,8 @@ def mapped_segments(shm_dir: Path = SHM_DIR, pids: set[int] | None = None) -> se
 
 
 def sweep(candidates: set[str], shm_dir: Path = SHM_DIR) -> list[str]:
-    """Unlink the candidates that still exist and no live process maps; returns them."""
+    """Unlink the candidates that still exist and no live process maps; returns them, and
+    this process's resource tracker forgets them (``forget``)."""
     if not candidates:
         return []
     in_use = mapped_segments(shm_dir)
@@ -47,4 +49,29 @@ def sweep(candidates: set[str], shm_dir: Path = SHM_DIR) -> list[str]:
             removed.append(name)
         except (FileNotFoundError, PermissionError):  # gone, or another user's (sticky /dev/shm)
             pass
+    if shm_dir == SHM_DIR:
+        forget(removed)
     return removed
+
+
+def forget(names: list[str]) -> None:
+    """Tell this process's ``multiprocessing`` resource tracker, if it runs, that the
+    ``/dev/shm`` segments ``names`` are gone.
+
+    An engine core, spawned or forked by the fork server, shares the daemon's tracker, and a
+    vLLM ring registers there as it is created (``SharedMemory(create=True)``). A killed
+    engine core never unregisters it, so once a teardown had removed it, the tracker warned
+    at the daemon's exit of every such ring ("There appear to be N leaked shared_memory
+    objects to clean up at shutdown", then "No such file or directory" for each). A register
+    first makes the unregister safe whether or not the tracker knew the name: an unknown
+    name's unregister is a ``KeyError`` the tracker prints. Only ``psm_*``, the names
+    ``SharedMemory`` makes: the others here are made by C++ (torch's CPU communicator's
+    ``*cpushm*``, NCCL's, Ray's semaphores) and never registered, and a name with a colon
+    (``…-tp:0-…-cpushm_0``) breaks the tracker's line format."""
+    tracker = resource_tracker._resource_tracker
+    if getattr(tracker, "_fd", None) is None:
+        return  # no tracker in this process (nor one it inherited): nothing was registered
+    for name in names:
+        if name.startswith("psm_"):
+            tracker.register(f"/{name}", "shared_memory")
+            tracker.unregister(f"/{name}", "shared_memory")
