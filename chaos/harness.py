@@ -382,11 +382,12 @@ class Daemon:
                 f"the daemon's resource tracker, at its exit, still held rings the daemon had removed: {warned}")
 
     def tracker_warned_of_removed(self) -> set[str]:
-        """The ``/dev/shm`` segments the daemon removed (its teardowns' ``shm_removed``) that its
+        """The ``/dev/shm`` segments the daemon removed or found removed (its teardowns'
+        ``shm_removed``, ``shm_forgotten``) that its
         ``multiprocessing`` resource tracker still held at its exit: it warned "No such file or
         directory" of each (``executor.shm.forget``)."""
         gone = set(re.findall(r"resource_tracker: '/([^']+)': \[Errno 2\]", self.log_path.read_text(errors="replace")))
-        removed = {name for line in self.log_lines() for name in line.get("shm_removed") or ()}
+        removed = {name for line in self.log_lines() for key in ("shm_removed", "shm_forgotten") for name in line.get(key) or ()}
         return gone & removed
 
 

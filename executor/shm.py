@@ -54,6 +54,18 @@ def sweep(candidates: set[str], shm_dir: Path = SHM_DIR) -> list[str]:
     return removed
 
 
+def forget_gone(names: set[str], shm_dir: Path = SHM_DIR) -> list[str]:
+    """Of a torn-down generation's rings, those already gone: their engine core unlinked
+    them itself, and its unregister may never have reached the tracker (vLLM unlinks a
+    ring, then unregisters it; a failed engine core is killed while its own shutdown runs,
+    and in 3 of 4 query-of-death runs the kill fell between the two). The tracker forgets
+    them (``forget``); returns them."""
+    gone = sorted(name for name in names if not (shm_dir / name).exists())
+    if shm_dir == SHM_DIR:
+        forget(gone)
+    return gone
+
+
 def forget(names: list[str]) -> None:
     """Tell this process's ``multiprocessing`` resource tracker, if it runs, that the
     ``/dev/shm`` segments ``names`` are gone.

@@ -247,7 +247,7 @@ class EngineBuilder:
         from executor.engine import engine_core_pids, engine_worker_pids, kill_pids, shutdown_engine
         from executor.ipc import remove
         from executor.procfs import running
-        from executor.shm import sweep
+        from executor.shm import forget_gone, sweep
 
         started = time.monotonic()
         local_workers = [] if self.ray.cluster else engine_worker_pids(gen.engine)  # before their parent goes
@@ -272,7 +272,7 @@ class EngineBuilder:
         stores = remove(self._stores_owned.pop(gen.number, set()))
         # Killed workers may take a moment to exit and unmap their rings. Rings that other
         # generations (replicas) made since this one's build began are theirs.
-        self._shm_owned.pop(gen.number, None)
+        owned = self._shm_owned.pop(gen.number, None) or set()
         self._shm_before.pop(gen.number, None)
         removed: list[str] = []
         # Killed workers take a moment to exit and unmap them; one on a host this one cannot
@@ -293,9 +293,10 @@ class EngineBuilder:
         # after the old engine's release
         rings, sockets = self._sweep_deferred(more_sockets=self._ipc_owned.pop(gen.number, set()))
         removed += rings
+        forgotten = forget_gone(owned - set(removed))  # unlinked by the engine core itself
         log.info("engine torn down", engine_generation=gen.number, leftover_actors_killed=killed, failed_cores_killed=failed_cores,
-                 stray_engine_cores=stray_cores, shm_removed=removed, sockets_removed=len(sockets), stores_removed=len(stores),
-                 took_s=round(time.monotonic() - started, 2))
+                 stray_engine_cores=stray_cores, shm_removed=removed, shm_forgotten=forgotten, sockets_removed=len(sockets),
+                 stores_removed=len(stores), took_s=round(time.monotonic() - started, 2))
 
     def _sweep_sockets(self, more: set[str] = frozenset()) -> list[str]:
         """Remove the ZeroMQ socket files of torn-down generations (and ``more``) that no

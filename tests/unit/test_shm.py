@@ -40,11 +40,14 @@ RING_OF_A_KILLED_CHILD = '''
 import multiprocessing, os, signal, sys
 from multiprocessing import shared_memory
 
-from executor.shm import sweep
+from executor.shm import forget_gone, sweep
 
 
-def make_ring_and_die(names):
+def make_ring_and_die(names, unlinked):
     ring = shared_memory.SharedMemory(create=True, size=4096)  # as vLLM's ring: registered
+    if unlinked:  # its own shutdown unlinked it, and the kill came before the unregister
+        import _posixshmem
+        _posixshmem.shm_unlink(ring._name)
     names.put(ring.name)
     os.kill(os.getpid(), signal.SIGKILL)  # never unregisters it
 
@@ -52,25 +55,29 @@ def make_ring_and_die(names):
 if __name__ == "__main__":
     ctx = multiprocessing.get_context(sys.argv[1])
     names = ctx.SimpleQueue()
-    child = ctx.Process(target=make_ring_and_die, args=(names,))
+    unlinked = sys.argv[2] == "unlinked"
+    child = ctx.Process(target=make_ring_and_die, args=(names, unlinked))
     child.start()
     name = names.get()
     child.join(60)
     assert child.exitcode == -signal.SIGKILL, child.exitcode
-    print(sweep({name}))
+    print(forget_gone({name}) if unlinked else sweep({name}))
 '''
 
 
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
-def test_a_swept_ring_of_a_killed_child_is_forgotten_by_the_shared_resource_tracker(tmp_path, method):
+@pytest.mark.parametrize("unlinked", ["swept", "unlinked"])
+def test_a_swept_ring_of_a_killed_child_is_forgotten_by_the_shared_resource_tracker(tmp_path, method, unlinked):
     """A ring a killed engine core created stays registered with the resource tracker it
     shared with the daemon (spawned, or forked by the fork server); once the sweep removed it,
     that tracker warned at the daemon's exit ("There appear to be 1 leaked shared_memory
-    objects", then "No such file or directory"). A real tracker, a real child, SIGKILL."""
+    objects", then "No such file or directory"). The same when the engine core unlinked it
+    itself and was killed before its unregister (``unlinked``: ``forget_gone``, as a teardown
+    calls it). A real tracker, a real child, SIGKILL."""
     script = tmp_path / "ring.py"
     script.write_text(RING_OF_A_KILLED_CHILD)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    run = subprocess.run([sys.executable, str(script), method], capture_output=True, text=True, env=env,
+    run = subprocess.run([sys.executable, str(script), method, unlinked], capture_output=True, text=True, env=env,
                          cwd=tmp_path, timeout=120)
     assert run.returncode == 0, run.stderr
     removed = ast.literal_eval(run.stdout.strip())

@@ -552,6 +552,7 @@ def test_a_ready_standbys_workers_are_stopped_and_continued_before_a_build_or_a_
         await wait_for(lambda: sup.standby.state is StandbyState.READY and sup.standby.stopped, 10)
         worker, server = procs[b.standby_made[0]["actor_id"]].pid, procs["forkserver"].pid
         assert sup.standby.stopped == [worker] == sup.status()["standby"]["stopped"]
+        await wait_for(lambda: state(worker) == "T", 5)  # SIGSTOP takes effect once the kernel runs it
         assert (state(worker), state(server)) == ("T", "-")
         # another build's claim forks from the fork server only: the worker stays stopped
         assert (await sup.standby.claim(sup.standby.generation + 7))["namespace"] is None
