@@ -66,8 +66,8 @@ if __name__ == "__main__":
 
 
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
-@pytest.mark.parametrize("unlinked", ["swept", "unlinked"])
-def test_a_swept_ring_of_a_killed_child_is_forgotten_by_the_shared_resource_tracker(tmp_path, method, unlinked):
+@pytest.mark.parametrize("removed_by", ["swept", "unlinked"])
+def test_a_swept_ring_of_a_killed_child_is_forgotten_by_the_shared_resource_tracker(tmp_path, method, removed_by):
     """A ring a killed engine core created stays registered with the resource tracker it
     shared with the daemon (spawned, or forked by the fork server); once the sweep removed it,
     that tracker warned at the daemon's exit ("There appear to be 1 leaked shared_memory
@@ -77,7 +77,7 @@ def test_a_swept_ring_of_a_killed_child_is_forgotten_by_the_shared_resource_trac
     script = tmp_path / "ring.py"
     script.write_text(RING_OF_A_KILLED_CHILD)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    run = subprocess.run([sys.executable, str(script), method, unlinked], capture_output=True, text=True, env=env,
+    run = subprocess.run([sys.executable, str(script), method, removed_by], capture_output=True, text=True, env=env,
                          cwd=tmp_path, timeout=120)
     assert run.returncode == 0, run.stderr
     removed = ast.literal_eval(run.stdout.strip())
